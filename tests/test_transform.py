@@ -1,0 +1,138 @@
+"""transform() against the untransformed model and against the eager reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vskipper
+from vskipper.reference import reference_forward, reference_generate
+from vskipper.skippers.base import sanitize_gate
+
+from conftest import assert_close, assert_equal
+from tiny import VOCAB, flexidepth_for, record_routes, tiny_llama, tiny_qwen3, transformed
+
+FAMILIES = {"llama": (tiny_llama, "soft"), "qwen3": (tiny_qwen3, "hard")}
+BODIES = ("dense", "routed", "auto")
+NEW_TOKENS = 24
+
+
+def prompts(lengths=(5, 11, 1), seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def left_pad(seqs):
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, L - len(s):], mask[b, L - len(s):] = s, 1
+    return ids, mask
+
+
+def greedy(model, ids, mask=None, n=NEW_TOKENS):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+# --- a skipper that skips nothing reproduces the model bit for bit --------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("kind", ["random0", "flexidepth_all_run"])
+def test_skipping_nothing_is_the_base_model(family, body, kind):
+    base = FAMILIES[family][0]()
+    layers = [1, 2, 4]
+    if kind == "random0":
+        sk = vskipper.RandomSkip(0.0, layers)
+    else:  # every gate is above the threshold, hard gate: every token runs every layer
+        sk = flexidepth_for(base, layers, gate="hard", threshold=0.0)
+    m = transformed(base, sk, body)
+    ids, mask = left_pad(prompts())
+    valid = mask.bool()  # padding rows pass through routed layers unchanged, so only real tokens compare
+    with torch.no_grad():
+        assert_equal(m(ids, attention_mask=mask).logits[valid], base(ids, attention_mask=mask).logits[valid], "logits")
+        assert_equal(m(ids[:1, -5:]).logits, base(ids[:1, -5:]).logits, "logits, unpadded")
+    assert_equal(greedy(m, ids, mask, 12), greedy(base, ids, mask, 12), "greedy tokens")
+    st = vskipper.stats(m)
+    assert all(s["project"] == 0 and s["run"] == s["tokens"] > 0 for s in st.values()), st
+
+
+# --- a real skipper matches the eager reference ---------------------------------------------
+def fast_decisions(calls, layer, b=0, pad=0):
+    """Route decisions of sequence b from the recorded router outputs (prefill, then 1 per step)."""
+    outs = calls[layer]
+    seq = [outs[0][b, pad:]] + [o[b, -1:] for o in outs[1:]]
+    return sanitize_gate(torch.cat(seq), 0.5)[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("body", BODIES)
+def test_flexidepth_matches_reference_single_prompts(family, body):
+    make, gate = FAMILIES[family]
+    base = make()
+    sk = flexidepth_for(base, [1, 3, 4, 5], gate=gate)
+    for p in prompts():
+        m = transformed(base, sk, body)
+        calls = record_routes(m)
+        out = greedy(m, p[None])[0]
+        ref_tokens, ref_dec = reference_generate(base, sk, p, NEW_TOKENS)
+        for l in sk.layers:
+            assert_equal(fast_decisions(calls, l), ref_dec[l], f"route decisions, layer {l}")
+        assert_equal(out, ref_tokens, f"greedy tokens ({len(p)}-token prompt)")
+        assert 0 < sum(int(d.sum()) for d in ref_dec.values()) < sum(d.numel() for d in ref_dec.values())
+        with torch.no_grad():
+            logits = m(ref_tokens[None]).logits[0]
+        assert_close(logits, reference_forward(base, sk, ref_tokens)[0], "logits")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("body", ["dense", "routed"])
+def test_flexidepth_matches_reference_padded_batch(family, body):
+    make, gate = FAMILIES[family]
+    base = make()
+    sk = flexidepth_for(base, [0, 2, 5], gate=gate)
+    seqs = prompts((7, 2, 12, 5))
+    ids, mask = left_pad(seqs)
+    m = transformed(base, sk, body)
+    calls = record_routes(m)
+    out = greedy(m, ids, mask)
+    for b, p in enumerate(seqs):
+        ref_tokens, ref_dec = reference_generate(base, sk, p, NEW_TOKENS)
+        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
+        for l in sk.layers:
+            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+
+
+def test_dense_and_routed_agree_on_logits():
+    base = tiny_llama()
+    sk = flexidepth_for(base, [1, 2, 3, 4], gate="soft")
+    ids, mask = left_pad(prompts((9, 4, 13)))
+    with torch.no_grad():
+        d = transformed(base, sk, "dense")(ids, attention_mask=mask).logits
+        r = transformed(base, sk, "routed")(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert_close(r[valid], d[valid], "routed vs dense logits")
+
+
+def test_pass_rewrites_every_routed_layer_and_tags_nodes():
+    base = tiny_llama()
+    m = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "routed")
+    assert m.vskipper.rewritten == [0, 3, 5]
+    gm = m.model._vskipper_stack
+    roles = [(n.meta["vskipper"]["layer"], n.meta["vskipper"]["role"]) for n in gm.graph.nodes if "vskipper" in n.meta]
+    for l in (0, 3, 5):
+        for role in ("input_norm", "router", "decide", "route_maps", "routed_layer"):
+            assert (l, role) in roles
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("layers.")
+            and n.target.count(".") == 1] == ["layers.1", "layers.2", "layers.4"]
+    dense = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "dense")
+    assert not any(n.meta.get("vskipper", {}).get("role") == "route_maps" for n in dense.model._vskipper_stack.graph.nodes)
+    assert set(dense.vskipper.bodies.values()) == {"dense"}
+
+
+def test_state_dict_keys_of_the_base_model_are_unchanged():
+    base = tiny_llama()
+    m = transformed(base, vskipper.RandomSkip(0.5, [1]), "routed")
+    keys = set(m.state_dict())
+    assert set(base.state_dict()) <= keys
+    assert keys - set(base.state_dict()) == set()  # RandomSkip has no weights; counters are not persistent

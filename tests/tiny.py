@@ -1,0 +1,74 @@
+"""Tiny random transformers models and skippers, built in the tests (odd sizes, GQA)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import vskipper
+
+VOCAB = 101
+
+
+def tiny_llama(seed: int = 0, layers: int = 6):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=40, intermediate_size=72, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0,
+                      bos_token_id=None, eos_token_id=None)
+    return _init(LlamaForCausalLM(cfg))
+
+
+def tiny_qwen3(seed: int = 0, layers: int = 6):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=36, intermediate_size=50, num_hidden_layers=layers,
+                      num_attention_heads=3, num_key_value_heads=1, head_dim=12, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=0,
+                      bos_token_id=None, eos_token_id=None)
+    return _init(Qwen3ForCausalLM(cfg))
+
+
+def _init(model):
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    # transformers' init is tiny (std 0.02): widen it so every layer changes the logits visibly
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return model.eval()
+
+
+def flexidepth_for(model, layers, gate: str, seed: int = 1, head_scale: float = 20.0, **kw):
+    """A FlexiDepth skipper with random weights; head_scale spreads gates away from 0.5 so that
+    route decisions are not decided by last-bit noise."""
+    torch.manual_seed(seed)
+    c = model.config
+    sk = vskipper.FlexiDepth(layers, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                             rms_norm_eps=c.rms_norm_eps, gate=gate, router_reduction_factor=4,
+                             proj_reduction_factor=4, **kw)
+    with torch.no_grad():
+        for name, p in sk.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+            if "router_head" in name:
+                p.mul_(head_scale)
+    return sk
+
+
+def transformed(model, skipper, execution: str):
+    return vskipper.transform(copy.deepcopy(model), copy.deepcopy(skipper), vskipper.Config(execution=execution))
+
+
+def record_routes(model):
+    """Hook every router of a transformed model; returns {layer: [router output per call]}."""
+    calls: dict[int, list[torch.Tensor]] = {}
+    sk = model.vskipper.skipper
+    for l in sk.layers:
+        calls[l] = []
+        sk.router(l).register_forward_hook(lambda m, a, out, l=l: calls[l].append(out.detach().clone()))
+    return calls

@@ -1,0 +1,168 @@
+"""transformers (5.x) LlamaForCausalLM and Qwen3ForCausalLM.
+
+The decoder stack is replaced, for this one model instance, by an fx-traced DecoderStack; the
+inner model's forward is rebound (instance attribute, no class is patched) to compute
+embeddings, masks and rotary tables as transformers does, then call the stack.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from vskipper.models import ModelAdapter, register_adapter
+
+# Shapes: B = batch, S = new tokens per sequence, Skv = cached + new, nh/kvh = heads, d = head dim.
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # t [B, heads, S, d]; cos/sin [B, S, d] -> same arithmetic as transformers' apply_rotary_pos_emb
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (t * cos) + (_rotate_half(t) * sin)
+
+
+class HFAttention(nn.Module):
+    """A transformers attention module seen by a routed layer: K/V for all rows, queries for some."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def all_rows(self, x, ctx):
+        return self.attn(hidden_states=x, **ctx)[0]  # exactly the stock module: [B, S, H]
+
+    def _proj(self, proj, norm, x, B, S):
+        t = proj(x).view(B, S, -1, self.attn.head_dim)
+        return (norm(t) if norm is not None else t).transpose(1, 2)  # [B, heads, S, d]
+
+    def some_rows(self, x, rows, ctx):
+        """K/V of every row into the cache; attention output [n, H] for flat rows `rows` of [B*S]."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attn = self.attn
+        B, S, _ = x.shape
+        cos, sin = ctx["position_embeddings"]  # [B or 1, S, d]
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+        k = _rope(self._proj(attn.k_proj, getattr(attn, "k_norm", None), x, B, S), cos, sin)
+        v = self._proj(attn.v_proj, None, x, B, S)
+        cache = ctx.get("past_key_values")
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx)  # [B, kvh, Skv, d]
+        n = rows.numel()
+        if n == 0:
+            return x.new_zeros(0, x.shape[-1])
+        mask = ctx.get("attention_mask")
+        if S == 1:  # decode: the rows are whole sequences, attend only for them
+            xs, cos, sin = x[rows], cos[rows], sin[rows]
+            k, v = k[rows], v[rows]
+            if mask is not None and mask.shape[0] == B:
+                mask = mask[rows]
+            bq = n
+        else:  # prefill: RUN rows are scattered through the sequences; attend for all, keep some
+            xs, bq = x, B
+        q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), xs, bq, S), cos, sin)
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+        if fn is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        o, _ = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
+                  sliding_window=getattr(attn, "sliding_window", None))
+        o = attn.o_proj(o.reshape(bq, S, -1).contiguous())  # [bq, S, H]
+        return o.reshape(bq * S, -1) if S == 1 else o.reshape(B * S, -1)[rows]
+
+
+class HFDecoderStack(nn.Module):
+    """The decoder loop of a transformers Llama/Qwen3 model; decoder layers are fx leaves."""
+
+    def __init__(self, layers: nn.ModuleList, layer_types: list[str]) -> None:
+        super().__init__()
+        self.layers = layers
+        self.layer_types = layer_types
+
+    def forward(self, hidden_states, token_ids, positions, valid, masks, position_embeddings,
+                position_ids, past_key_values, use_cache):
+        for i, layer in enumerate(self.layers):
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=masks[self.layer_types[i]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+            )
+        return hidden_states
+
+
+def _layer_types(config) -> list[str]:
+    types_ = getattr(config, "layer_types", None)
+    return list(types_) if types_ else ["full_attention"] * config.num_hidden_layers
+
+
+def make_stack(model) -> HFDecoderStack:
+    inner = model.model
+    return HFDecoderStack(inner.layers, _layer_types(inner.config))
+
+
+def _skip_aware_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                        inputs_embeds=None, use_cache=None, **kwargs):
+    """The inner model's forward after `vskipper.transform`: as transformers computes it, with the
+    decoder loop replaced by the transformed DecoderStack."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    for k in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(k):
+            raise NotImplementedError(f"vskipper-transformed models do not return {k.removeprefix('output_')}")
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = self.embed_tokens(input_ids)
+    B, S = inputs_embeds.shape[:2]
+    if B == 0 or S == 0:
+        raise ValueError(f"vskipper: empty batch (input shape {list(inputs_embeds.shape[:2])}); "
+                         f"give at least one sequence with at least one token")
+    if use_cache is None:
+        use_cache = self.config.use_cache
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache(config=self.config)
+    if position_ids is None:
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = (torch.arange(S, device=inputs_embeds.device) + past).unsqueeze(0)
+    if isinstance(attention_mask, dict):
+        masks = attention_mask
+    else:
+        mk = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                  past_key_values=past_key_values, position_ids=position_ids)
+        masks = {"full_attention": create_causal_mask(**mk)}
+        if "sliding_attention" in _layer_types(self.config):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mk)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        valid = attention_mask[:, -S:].bool()  # [B, S]
+    else:
+        valid = torch.ones(B, S, dtype=torch.bool, device=inputs_embeds.device)
+    position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+    positions = position_ids.expand(B, S)
+    h = self._vskipper_stack(inputs_embeds, input_ids, positions, valid, masks, position_embeddings,
+                             position_ids, past_key_values, use_cache)
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(h),
+                                   past_key_values=past_key_values if use_cache else None)
+
+
+def install(model, stack_gm) -> None:
+    inner = model.model
+    object.__setattr__(inner, "_vskipper_stack", stack_gm)  # not a submodule: its modules are the model's own
+    inner.forward = types.MethodType(_skip_aware_forward, inner)
+
+
+for _name, _module, _cls in (
+    ("transformers LlamaForCausalLM", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
+    ("transformers Qwen3ForCausalLM", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+):
+    register_adapter(ModelAdapter(name=_name, module=_module, cls=_cls, make_stack=make_stack,
+                                  make_attention=lambda layer: HFAttention(layer.self_attn), install=install))

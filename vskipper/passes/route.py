@@ -1,0 +1,71 @@
+"""RoutePass: at every routed layer, insert norm -> router -> route decisions -> route maps ->
+route counter -> routed layer, in place of the plain decoder-layer call."""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+from torch import fx, nn
+
+from vskipper import ops
+from vskipper.passes.base import Pass, PassError, layer_index
+from vskipper.skippers.base import Skipper, sanitize_gate
+
+PLACEHOLDERS = ("token_ids", "positions", "valid")
+
+
+class RoutePass(Pass):
+    name = "route"
+
+    def __init__(self, skipper: Skipper, make_routed: Callable[[int, nn.Module], nn.Module],
+                 counters: nn.ModuleDict, input_norm: str) -> None:
+        self.skipper, self.make_routed, self.counters, self.input_norm = skipper, make_routed, counters, input_norm
+        self.rewritten: list[int] = []
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        names = {n.target for n in gm.graph.nodes if n.op == "placeholder"}
+        missing = [p for p in PLACEHOLDERS if p not in names]
+        if missing:
+            raise PassError(self.name, "DecoderStack", f"the traced stack has no input(s) {missing}")
+        found = {layer_index(n, "layers") for n in gm.graph.nodes}
+        for i in self.skipper.layers:
+            if i not in found:
+                raise PassError(self.name, f"layers.{i}", "routed layer is not called by the traced stack")
+
+    def call(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
+        g = gm.graph
+        ph = {n.target: n for n in g.nodes if n.op == "placeholder"}
+        thr = self.skipper.threshold
+        for node in list(g.nodes):
+            i = layer_index(node, "layers")
+            if i is None or i not in self.skipper.layers:
+                continue
+            layer = gm.get_submodule(node.target)
+            if not hasattr(layer, self.input_norm):
+                raise PassError(self.name, node.target, f"decoder layer has no {self.input_norm!r}")
+            gm.add_submodule(f"routers.{i}", self.skipper.router(i))
+            gm.add_submodule(f"counters.{i}", self.counters[str(i)])
+            gm.add_submodule(f"routed.{i}", self.make_routed(i, layer))
+            h = node.args[0]
+            with g.inserting_before(node):
+                x = g.call_module(f"{node.target}.{self.input_norm}", (h,))
+                raw = g.call_module(f"routers.{i}", (x, ph["positions"], ph["token_ids"]))
+                dec = g.call_function(sanitize_gate, (raw, thr))
+                gate = g.call_function(operator.getitem, (dec, 0))
+                run = g.call_function(operator.getitem, (dec, 1))
+                bad = g.call_function(operator.getitem, (dec, 2))
+                maps = g.call_function(ops.route_maps, (run, ph["valid"]))
+                g.call_module(f"counters.{i}", (run, ph["valid"], bad))
+                out = g.call_module(f"routed.{i}", (h, x, gate, run, ph["valid"], maps), dict(node.kwargs))
+            for n, role in ((x, "input_norm"), (raw, "router"), (dec, "decide"), (maps, "route_maps"),
+                            (out, "routed_layer")):
+                n.meta["vskipper"] = {"layer": i, "role": role}
+            node.replace_all_uses_with(out)
+            g.erase_node(node)
+            self.rewritten.append(i)
+        return gm, bool(self.rewritten)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        left = [i for i in (layer_index(n, "layers") for n in gm.graph.nodes) if i in self.skipper.layers]
+        if left:
+            raise PassError(self.name, f"layers.{left[0]}", "routed layer still called as a plain layer")

@@ -1,0 +1,86 @@
+"""The body a routed layer becomes.
+
+For routed layer l with x = input_layernorm(h) and gate g (ARCHITECTURE.md):
+    K, V of x for ALL rows are written to the cache
+    RUN:     h1 = h + attn(x);  out = h1 + g * mlp(post_attention_layernorm(h1))   (g = 1 if hard)
+    PROJECT: out = h + (1 - g) * adapter(post_attention_layernorm(h))             (identity if no adapter)
+    invalid (padding) rows: out = h
+Two bodies compute it: "dense" (all rows through attention, MLP and adapter, then a mask
+selects) and "routed" (RUN rows gathered through attention and MLP, PROJECT rows through the
+adapter, scattered back). Attention comes from the family's attention adapter, which knows the
+engine's cache: `all_rows(x, ctx)` and `some_rows(x, rows, ctx)`, both writing K/V for every row.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BODIES = ("dense", "routed")
+
+
+class RoutedLayer(nn.Module):
+    def __init__(self, index: int, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module,
+                 adapter: nn.Module | None, gate: str, body: str = "routed") -> None:
+        super().__init__()
+        self.index = index
+        self.attention = attention
+        self.post_norm = post_norm
+        self.mlp = mlp
+        self.adapter = adapter
+        self.soft = gate == "soft"
+        self.body = body
+
+    def forward(self, h, x, g, run, valid, maps, **ctx):
+        # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) (flat) or None
+        if self.body == "dense" or maps is None:
+            return self._dense(h, x, g, run, valid, ctx)
+        return self._routed(h, x, g, maps, ctx)
+
+    def _dense(self, h, x, g, run, valid, ctx):
+        a = self.attention.all_rows(x, ctx)  # [..., H]
+        h1 = h + a
+        m = self.mlp(self.post_norm(h1))
+        gm = g.unsqueeze(-1).to(h.dtype)
+        run_out = h1 + gm * m if self.soft else h1 + m
+        if self.adapter is None:
+            proj_out = h
+        else:
+            p = self.adapter(self.post_norm(h))
+            proj_out = h + (1 - gm) * p if self.soft else h + p
+        return torch.where(run.unsqueeze(-1), run_out, torch.where(valid.unsqueeze(-1), proj_out, h))
+
+    def _routed(self, h, x, g, maps, ctx):
+        run_rows, project_rows, counts = maps
+        n_run, n_proj = counts.tolist()  # torch path: data-dependent shapes are allowed here
+        hf = h.reshape(-1, h.shape[-1])  # [T, H]
+        gf = g.reshape(-1, 1).to(h.dtype)  # [T, 1]
+        out = hf.clone()
+        rr = run_rows[:n_run].long()
+        a = self.attention.some_rows(x, rr, ctx)  # [n_run, H]; K/V written for all rows
+        if n_run:
+            h1 = hf[rr] + a
+            m = self.mlp(self.post_norm(h1))
+            out[rr] = h1 + gf[rr] * m if self.soft else h1 + m
+        if self.adapter is not None and n_proj:
+            pr = project_rows[:n_proj].long()
+            hp = hf[pr]
+            p = self.adapter(self.post_norm(hp))
+            out[pr] = hp + (1 - gf[pr]) * p if self.soft else hp + p
+        return out.view_as(h)
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, body={self.body!r}, soft={self.soft}"
+
+
+class RouteCounter(nn.Module):
+    """Per-layer route counts kept on the device (no sync): tokens, run, project, nonfinite."""
+
+    FIELDS = ("tokens", "run", "project", "nonfinite")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(4, dtype=torch.int64), persistent=False)
+
+    def forward(self, run: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor) -> None:
+        r = run & valid
+        self.counts += torch.stack([valid.sum(), r.sum(), (valid & ~run).sum(), (nonfinite & valid).sum()])

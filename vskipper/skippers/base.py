@@ -1,0 +1,90 @@
+"""The skipper contract: what every skipper declares, checked once at construction.
+
+A skipper is an `nn.Module` that declares, statically:
+  layers     the routed layer indices (sorted, unique, >= 0);
+  gate       "soft": RUN rows add g * MLP, PROJECT rows add (1 - g) * adapter;
+             "hard": no scaling;
+  threshold  a token RUNs routed layer l when g > threshold;
+and per routed layer l:
+  router(l)  (x [T, H] after input_layernorm, positions [T], token_ids [T]) -> g [T];
+             any leading shape works as long as positions/token_ids match it;
+  adapter(l) a module y [T, H] -> [T, H] for PROJECT rows, or None (identity).
+
+Non-finite router output (NaN, +-Inf) has one defined meaning everywhere: the token RUNs the
+layer with g = 1 (the layer is never silently dropped for a broken gate), and it is counted
+as "nonfinite" in `vskipper.stats`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+GATES = ("soft", "hard")
+
+
+def check_layers(name: str, layers: Iterable[int]) -> tuple[int, ...]:
+    """Validate a list of layer indices: ints >= 0, no duplicates. Returns them sorted."""
+    try:
+        out = tuple(layers)
+    except TypeError:
+        raise ValueError(f"{name}: layers must be a list of layer indices, got {layers!r}") from None
+    if not out:
+        raise ValueError(f"{name}: layers is empty; give at least one routed layer index")
+    for i in out:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"{name}: layer index {i!r} is not an integer >= 0")
+    dup = sorted({i for i in out if out.count(i) > 1})
+    if dup:
+        raise ValueError(f"{name}: layer indices {dup} appear more than once")
+    return tuple(sorted(out))
+
+
+class Skipper(nn.Module):
+    """Base class of skippers. Subclasses set `layers`, `gate`, `threshold` and implement
+    `router(layer)` / `adapter(layer)`."""
+
+    layers: tuple[int, ...]
+    gate: str = "soft"
+    threshold: float = 0.5
+
+    def __init__(self, layers: Iterable[int], gate: str = "soft", threshold: float = 0.5) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.layers = check_layers(name, layers)
+        if gate not in GATES:
+            raise ValueError(f"{name}: gate={gate!r} is not one of 'soft', 'hard'")
+        if not isinstance(threshold, (int, float)) or not 0.0 <= float(threshold) <= 1.0:
+            raise ValueError(f"{name}: threshold={threshold!r} must be a number in [0, 1]")
+        self.gate = gate
+        self.threshold = float(threshold)
+
+    # --- per-layer parts -------------------------------------------------------------------
+    def router(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def adapter(self, layer: int) -> nn.Module | None:
+        return None
+
+    # --- checks against a model -------------------------------------------------------------
+    def check_model(self, num_layers: int, hidden_size: int) -> None:
+        """Raise ValueError if this skipper cannot route a model of this shape."""
+        bad = [i for i in self.layers if i >= num_layers]
+        if bad:
+            raise ValueError(
+                f"{type(self).__name__}: routed layer indices {bad} are out of range for a model "
+                f"with {num_layers} layers (valid: 0..{num_layers - 1})"
+            )
+
+    def extra_repr(self) -> str:
+        return f"layers={list(self.layers)}, gate={self.gate!r}, threshold={self.threshold}"
+
+
+def sanitize_gate(g: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g [T] -> (g with non-finite entries set to 1, run [T] bool, nonfinite [T] bool).
+
+    The one place where router output becomes route decisions (see the module docstring)."""
+    nonfinite = ~torch.isfinite(g)
+    g = torch.where(nonfinite, torch.ones_like(g), g)
+    return g, g > threshold, nonfinite
