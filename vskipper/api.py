@@ -65,7 +65,9 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
         return RoutedLayer(i, adapter.make_attention(layer), getattr(layer, adapter.post_norm),
-                           getattr(layer, adapter.mlp), skipper.adapter(i), skipper.gate)
+                           getattr(layer, adapter.mlp), skipper.adapter(i), skipper.gate,
+                           mlp_weights=adapter.mlp_weights, static_shapes=config.static_shapes,
+                           check_sync=config.check_sync)
 
     route = RoutePass(skipper, make_routed, state.counters, adapter.input_norm)
     dispatch = DispatchPass(config)

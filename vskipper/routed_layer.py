@@ -5,22 +5,33 @@ For routed layer l with x = input_layernorm(h) and gate g (ARCHITECTURE.md):
     RUN:     h1 = h + attn(x);  out = h1 + g * mlp(post_attention_layernorm(h1))   (g = 1 if hard)
     PROJECT: out = h + (1 - g) * adapter(post_attention_layernorm(h))             (identity if no adapter)
     invalid (padding) rows: out = h
-Two bodies compute it: "dense" (all rows through attention, MLP and adapter, then a mask
-selects) and "routed" (RUN rows gathered through attention and MLP, PROJECT rows through the
-adapter, scattered back). Attention comes from the family's attention adapter, which knows the
-engine's cache: `all_rows(x, ctx)` and `some_rows(x, rows, ctx)`, both writing K/V for every row.
+Three bodies compute it:
+  dense   every row through attention, MLP and adapter; a mask selects;
+  routed  RUN rows gathered through attention and MLP, PROJECT rows through the adapter,
+          scattered back; two variants:
+          dynamic  slices to the real counts (host sync; the fast path on CPU);
+          static   fixed shapes, device-side counts, grouped ops (no host sync: CUDA graphs).
+Attention comes from the family's attention adapter, which knows the engine's cache:
+`all_rows(x, ctx)`, `some_rows(x, rows, ctx)`, `masked_rows(x, run, ctx)`; all write K/V for
+every row. Shapes: T = rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+
+from vskipper import ops
+from vskipper.guard import NoHostSync
 
 BODIES = ("dense", "routed")
 
 
 class RoutedLayer(nn.Module):
     def __init__(self, index: int, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module,
-                 adapter: nn.Module | None, gate: str, body: str = "routed") -> None:
+                 adapter: nn.Module | None, gate: str, mlp_weights=None, body: str = "routed",
+                 static_shapes: bool | None = None, check_sync: bool = False) -> None:
         super().__init__()
         self.index = index
         self.attention = attention
@@ -29,12 +40,20 @@ class RoutedLayer(nn.Module):
         self.adapter = adapter
         self.soft = gate == "soft"
         self.body = body
+        self.static_shapes = static_shapes
+        self.check_sync = check_sync
+        self._mlp_weights = mlp_weights  # mlp -> (w_gate, w_up, w_down), for the static body
 
     def forward(self, h, x, g, run, valid, maps, **ctx):
-        # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) (flat) or None
-        if self.body == "dense" or maps is None:
-            return self._dense(h, x, g, run, valid, ctx)
-        return self._routed(h, x, g, maps, ctx)
+        # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) or None (dense)
+        guard = self.check_sync and self.attention.is_decode(x, ctx)
+        with NoHostSync(f"routed layer {self.index}") if guard else contextlib.nullcontext():
+            if self.body == "dense" or maps is None:
+                return self._dense(h, x, g, run, valid, ctx)
+            static = h.is_cuda if self.static_shapes is None else self.static_shapes
+            if static:
+                return self._static(h, x, g, run, valid, maps, ctx)
+            return self._dynamic(h, x, g, maps, ctx)
 
     def _dense(self, h, x, g, run, valid, ctx):
         a = self.attention.all_rows(x, ctx)  # [..., H]
@@ -49,9 +68,9 @@ class RoutedLayer(nn.Module):
             proj_out = h + (1 - gm) * p if self.soft else h + p
         return torch.where(run.unsqueeze(-1), run_out, torch.where(valid.unsqueeze(-1), proj_out, h))
 
-    def _routed(self, h, x, g, maps, ctx):
+    def _dynamic(self, h, x, g, maps, ctx):
         run_rows, project_rows, counts = maps
-        n_run, n_proj = counts.tolist()  # torch path: data-dependent shapes are allowed here
+        n_run, n_proj = counts.tolist()  # the torch path: data-dependent shapes are allowed here
         hf = h.reshape(-1, h.shape[-1])  # [T, H]
         gf = g.reshape(-1, 1).to(h.dtype)  # [T, 1]
         out = hf.clone()
@@ -68,8 +87,23 @@ class RoutedLayer(nn.Module):
             out[pr] = hp + (1 - gf[pr]) * p if self.soft else hp + p
         return out.view_as(h)
 
+    def _static(self, h, x, g, run, valid, maps, ctx):
+        run_rows, project_rows, counts = maps
+        H = h.shape[-1]
+        hf = h.reshape(-1, H)  # [T, H]
+        gf = g.reshape(-1).to(h.dtype)  # [T]
+        a = self.attention.masked_rows(x, (run & valid).reshape(-1), ctx).reshape(-1, H)  # [T, H]
+        h1 = hf + a
+        out = hf.clone()
+        ops.grouped_swiglu_(out, h1, self.post_norm(h1), run_rows, counts[0:1], *self._mlp_weights(self.mlp),
+                            gf if self.soft else None)
+        if self.adapter is not None:
+            ops.grouped_swiglu_(out, hf, self.post_norm(hf), project_rows, counts[1:2], *self.adapter.swiglu_weights(),
+                                1 - gf if self.soft else None)
+        return out.view_as(h)
+
     def extra_repr(self) -> str:
-        return f"index={self.index}, body={self.body!r}, soft={self.soft}"
+        return f"index={self.index}, body={self.body!r}, soft={self.soft}, static_shapes={self.static_shapes}"
 
 
 class RouteCounter(nn.Module):

@@ -19,6 +19,7 @@ class ModelAdapter:
     make_stack(model) -> DecoderStack module with `layers` (the decoder layers, fx leaves).
     make_attention(layer) -> the attention adapter for a routed layer (all_rows / some_rows).
     install(model, stack_gm) -> route the model's forward through the transformed stack.
+    mlp_weights(mlp) -> (w_gate, w_up, w_down) of a decoder layer's SwiGLU MLP (static body).
     """
 
     name: str
@@ -27,6 +28,7 @@ class ModelAdapter:
     make_stack: object
     make_attention: object
     install: object
+    mlp_weights: object = None
     input_norm: str = "input_layernorm"
     post_norm: str = "post_attention_layernorm"
     mlp: str = "mlp"
@@ -35,8 +37,8 @@ class ModelAdapter:
         return getattr(import_module(self.module), self.cls)
 
     def matches(self, model: nn.Module) -> bool:
-        mod = type(model).__module__
-        if not mod.startswith(self.module.split(".")[0]):
+        engine = self.module.split(".")[0] + "."
+        if not any(c.__module__.startswith(engine) for c in type(model).__mro__):
             return False  # never import an engine the model does not come from
         return isinstance(model, self.model_class())
 
@@ -63,3 +65,4 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
 
 
 from vskipper.models import hf as _hf  # noqa: E402  (registers the transformers families)
+from vskipper.models import sglang as _sg  # noqa: E402,F401  (SGLang families; SGLang imported only when a model comes from it)

@@ -37,6 +37,13 @@ class HFAttention(nn.Module):
     def all_rows(self, x, ctx):
         return self.attn(hidden_states=x, **ctx)[0]  # exactly the stock module: [B, S, H]
 
+    def masked_rows(self, x, run, ctx):
+        return self.all_rows(x, ctx)  # transformers runs eagerly: no graph to keep static
+
+    @staticmethod
+    def is_decode(x, ctx) -> bool:
+        return x.shape[1] == 1
+
     def _proj(self, proj, norm, x, B, S):
         t = proj(x).view(B, S, -1, self.attn.head_dim)
         return (norm(t) if norm is not None else t).transpose(1, 2)  # [B, heads, S, d]
@@ -160,9 +167,15 @@ def install(model, stack_gm) -> None:
     inner.forward = types.MethodType(_skip_aware_forward, inner)
 
 
+def mlp_weights(mlp):
+    """(w_gate [I, H], w_up [I, H], w_down [H, I]) of a transformers SwiGLU MLP."""
+    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+
 for _name, _module, _cls in (
     ("transformers LlamaForCausalLM", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
     ("transformers Qwen3ForCausalLM", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
 ):
     register_adapter(ModelAdapter(name=_name, module=_module, cls=_cls, make_stack=make_stack,
-                                  make_attention=lambda layer: HFAttention(layer.self_attn), install=install))
+                                  make_attention=lambda layer: HFAttention(layer.self_attn), install=install,
+                                  mlp_weights=mlp_weights))

@@ -64,6 +64,10 @@ class FlexiDepthAdapter(nn.Module):
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         return self.up_proj(F.silu(self.gate_proj(y)) * self.down_proj(y))
 
+    def swiglu_weights(self):
+        """As a SwiGLU (w_gate, w_up, w_down): FlexiDepth's down_proj plays the "up" role."""
+        return self.gate_proj.weight, self.down_proj.weight, self.up_proj.weight
+
 
 class FlexiDepth(Skipper):
     """FlexiDepth routers and adapters for the given routed layers.

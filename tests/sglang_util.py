@@ -1,0 +1,38 @@
+"""Start a real SGLang engine on CPU (the vskipper_cpu platform) for a test module."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+ENGINE_ARGS = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_total_tokens=4096,
+                   attention_backend="torch_native", disable_cuda_graph=True, log_level="warning",
+                   mem_fraction_static=0.5)
+
+
+@contextlib.contextmanager
+def engine(model_path, **env):
+    """An sgl.Engine with SGLANG_PLATFORM=vskipper_cpu and the given VSKIPPER_* variables."""
+    sgl = pytest.importorskip("sglang")
+    env = {"SGLANG_PLATFORM": "vskipper_cpu", **env}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    eng = None
+    try:
+        eng = sgl.Engine(model_path=str(model_path), **ENGINE_ARGS)
+        yield eng
+    finally:
+        if eng is not None:
+            eng.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def greedy(eng, prompts, n):
+    outs = eng.generate(input_ids=[p.tolist() for p in prompts],
+                        sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    return [o["output_ids"] for o in outs], [o["meta_info"].get("cached_tokens", 0) for o in outs]

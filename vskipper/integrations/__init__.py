@@ -1,0 +1,1 @@
+"""Integrations with serving engines. Nothing here is imported by the core package."""

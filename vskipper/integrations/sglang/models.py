@@ -1,0 +1,78 @@
+"""SGLang model classes for skip-aware checkpoints: `DDLlamaForCausalLM`, `DDQwen3ForCausalLM`.
+
+They are SGLang's own Llama / Qwen3 (SGLang's loader, attention and MLP parts) plus a FlexiDepth
+skipper read from the same checkpoint (the FlexiDepth key layout). The load-time hook then
+transforms them with `vskipper.transform`."""
+from __future__ import annotations
+
+from vskipper.models.checkpoint import skipper_fields
+from vskipper.skippers.flexidepth import FlexiDepth
+
+SKIPPER_KEY_PARTS = (".router.", ".router_proj.")
+
+
+def _skipper_for(config) -> FlexiDepth:
+    d = config.to_dict()
+    if "original_intermediate_size" in d:  # SGLang pads intermediate_size on CPU; the adapter keeps the original
+        d["intermediate_size"] = d["original_intermediate_size"]
+    f = skipper_fields(d, f"config of {config.architectures[0]}")
+    return FlexiDepth(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
+                      rms_norm_eps=f["rms_norm_eps"], gate=f["gate_mode"],
+                      router_reduction_factor=f["router_reduction_factor"],
+                      proj_reduction_factor=f["proj_reduction_factor"])
+
+
+class _SkipAware:
+    """Mixin: keeps the skipper beside (not inside) the SGLang model until the hook transforms it,
+    and routes the skipper's checkpoint tensors to it."""
+
+    def _init_skipper(self, config) -> None:
+        object.__setattr__(self, "_vskipper_pending", _skipper_for(config))
+
+    def load_weights(self, weights):
+        skipper_tensors = {}
+
+        def base_weights():
+            for name, tensor in weights:
+                if any(p in name for p in SKIPPER_KEY_PARTS):
+                    skipper_tensors[name] = tensor
+                else:
+                    yield name, tensor
+
+        out = super().load_weights(base_weights())
+        self._vskipper_pending.load_flexidepth_state_dict(
+            skipper_tensors, source=f"{type(self).__name__} checkpoint")
+        return out
+
+
+def model_classes():
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+
+    class DDLlamaForCausalLM(_SkipAware, LlamaForCausalLM):
+        def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+            super().__init__(config, quant_config=quant_config, prefix=prefix)
+            self._init_skipper(config)
+
+    class DDQwen3ForCausalLM(_SkipAware, Qwen3ForCausalLM):
+        def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+            super().__init__(config, quant_config=quant_config, prefix=prefix)
+            self._init_skipper(config)
+
+    for cls in (DDLlamaForCausalLM, DDQwen3ForCausalLM):
+        cls.__module__ = __name__
+    return [DDLlamaForCausalLM, DDQwen3ForCausalLM]
+
+
+def config_classes():
+    """transformers config classes for checkpoints whose model_type is "ddllama" / "ddqwen3"
+    (FlexiDepth's own code uses these names with remote code; vskipper never runs it)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    class DDLlamaConfig(LlamaConfig):
+        model_type = "ddllama"
+
+    class DDQwen3Config(Qwen3Config):
+        model_type = "ddqwen3"
+
+    return [DDLlamaConfig, DDQwen3Config]

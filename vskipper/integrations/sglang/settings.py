@@ -1,0 +1,63 @@
+"""The plugin's settings, read from the environment in this one place (SGLang starts its
+scheduler in subprocesses, which inherit the environment).
+
+VSKIPPER_SKIPPER         skipper spec for a stock Llama/Qwen3 model, e.g.
+                         random:rate=0.5,layers=15-29,seed=0 (unset: serve the model unchanged)
+VSKIPPER_EXECUTION       auto | dense | routed                      (default auto)
+VSKIPPER_STATIC_SHAPES   auto | 0 | 1: graph-safe routed body (fixed shapes, device-side counts);
+                         auto = on for CUDA, off on CPU              (default auto)
+VSKIPPER_STATS_INTERVAL  log per-layer skip statistics every N decode steps; 0 = never (default 0)
+VSKIPPER_CHECK_SYNC      1 = fail on any host sync inside routed layers during decode (a test guard)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from vskipper.config import Config
+from vskipper.skippers import parse_skipper
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    skipper_spec: str | None = None
+    execution: str = "auto"
+    static_shapes: bool | None = None
+    stats_interval: int = 0
+    check_sync: bool = False
+
+    @classmethod
+    def from_env(cls, env=None) -> "Settings":
+        env = os.environ if env is None else env
+        spec = env.get("VSKIPPER_SKIPPER") or None
+        if spec is not None:
+            parse_skipper(spec)  # validate now: a ValueError naming the bad field
+        static = _choice("VSKIPPER_STATIC_SHAPES", env.get("VSKIPPER_STATIC_SHAPES", "auto"), ("auto", "0", "1"))
+        interval = env.get("VSKIPPER_STATS_INTERVAL", "0")
+        if not interval.isdigit():
+            raise ValueError(f"VSKIPPER_STATS_INTERVAL={interval!r} must be an integer >= 0")
+        return cls(
+            skipper_spec=spec,
+            execution=_choice("VSKIPPER_EXECUTION", env.get("VSKIPPER_EXECUTION", "auto"), ("auto", "dense", "routed")),
+            static_shapes=None if static == "auto" else static == "1",
+            stats_interval=int(interval),
+            check_sync=_choice("VSKIPPER_CHECK_SYNC", env.get("VSKIPPER_CHECK_SYNC", "0"), ("0", "1")) == "1",
+        )
+
+    def config(self) -> Config:
+        return Config(execution=self.execution, static_shapes=self.static_shapes, check_sync=self.check_sync)
+
+    def to_env(self) -> dict[str, str]:
+        env = {"VSKIPPER_EXECUTION": self.execution,
+               "VSKIPPER_STATIC_SHAPES": {None: "auto", True: "1", False: "0"}[self.static_shapes],
+               "VSKIPPER_STATS_INTERVAL": str(self.stats_interval),
+               "VSKIPPER_CHECK_SYNC": "1" if self.check_sync else "0"}
+        if self.skipper_spec:
+            env["VSKIPPER_SKIPPER"] = self.skipper_spec
+        return env
