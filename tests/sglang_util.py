@@ -12,7 +12,7 @@ ENGINE_ARGS = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_
 
 
 @contextlib.contextmanager
-def engine(model_path, **env):
+def engine(model_path, log_level="warning", **env):
     """An sgl.Engine with SGLANG_PLATFORM=vskipper_cpu and the given VSKIPPER_* variables."""
     sgl = pytest.importorskip("sglang")
     env = {"SGLANG_PLATFORM": "vskipper_cpu", **env}
@@ -20,7 +20,7 @@ def engine(model_path, **env):
     os.environ.update(env)
     eng = None
     try:
-        eng = sgl.Engine(model_path=str(model_path), **ENGINE_ARGS)
+        eng = sgl.Engine(model_path=str(model_path), **{**ENGINE_ARGS, "log_level": log_level})
         yield eng
     finally:
         if eng is not None:

@@ -51,3 +51,13 @@ def test_stock_model_with_random_skip_through_the_hook(tmp_path):
     spec = "random:rate=0.5,layers=1-5,seed=3"
     with engine(tmp_path / "stock", VSKIPPER_SKIPPER=spec) as eng:
         check_against_reference(eng, base, vskipper.parse_skipper(spec))
+
+
+def test_stats_are_logged_every_n_decode_steps(tmp_path, capfd):
+    base = tiny_llama()
+    base.save_pretrained(tmp_path / "stock", safe_serialization=True)
+    with engine(tmp_path / "stock", log_level="info", VSKIPPER_SKIPPER="static:layers=2",
+                VSKIPPER_STATS_INTERVAL="4") as eng:
+        greedy(eng, prompt_set()[0][:2], 9)
+    err = capfd.readouterr().err
+    assert "vskipper: after 4 decode steps: skip ratio 1.000" in err and "per layer 2:1.00" in err, err[-2000:]

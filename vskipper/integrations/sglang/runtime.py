@@ -51,4 +51,5 @@ def install_stats_logger(model, interval: int) -> None:
         if steps["n"] % interval == 0:
             logger.info("vskipper: after %d decode steps: %s", steps["n"], format_stats(vskipper.stats(model)))
 
-    model.register_forward_hook(hook, with_kwargs=True)
+    # SGLang's runner calls model.forward() directly (no hooks); the inner model is called normally
+    model.model.register_forward_hook(hook, with_kwargs=True)

@@ -1,0 +1,92 @@
+"""`vskipper serve`: the real server on 127.0.0.1, an OpenAI-client completion, a clean shutdown;
+bad input fails before the server starts or at load, naming what is wrong."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from vskipper.models.hf_loader import save_checkpoint
+
+from tiny import flexidepth_for, tiny_llama
+
+pytestmark = pytest.mark.sglang
+VSKIPPER = [sys.executable, "-m", "vskipper.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    import requests
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise AssertionError("server not healthy in time")
+
+
+def test_serve_bundled_model_openai_completion_and_clean_shutdown(tmp_path):
+    from openai import OpenAI
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(VSKIPPER + ["serve", "--skipper", "random:rate=0.5,layers=15-29,seed=0", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(port, proc)
+        with socket.socket() as s:  # bound to loopback only
+            assert s.connect_ex(("127.0.0.1", port)) == 0
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        r = client.completions.create(model="default", prompt="1, 2, 3, 4,", max_tokens=8, temperature=0)
+        assert r.usage.completion_tokens == 8 and isinstance(r.choices[0].text, str)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("server did not shut down within 60 s of SIGTERM")
+    log.seek(0)
+    text = log.read()
+    assert "--host 127.0.0.1" in text and "transformed LlamaForCausalLM with RandomSkip" in text
+    time.sleep(2)
+    leftover = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"processes left behind: {leftover}"
+
+
+def test_malformed_spec_fails_before_the_server_starts():
+    t0 = time.time()
+    r = subprocess.run(VSKIPPER + ["serve", "--skipper", "random:rate=0.5,layers=1,speed=9"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert "unknown field 'speed'" in r.stderr and "sglang.launch_server" not in r.stderr
+    assert time.time() - t0 < 60
+
+
+def test_checkpoint_missing_skipper_tensor_fails_at_load_naming_the_key(tmp_path):
+    base = tiny_llama()
+    path = save_checkpoint(tmp_path / "ckpt", base, flexidepth_for(base, [1, 3], gate="soft"))
+    t = load_file(str(path / "model.safetensors"))
+    del t["model.layers.3.router.router_enc.weight"]
+    save_file(t, str(path / "model.safetensors"))
+    r = subprocess.run(VSKIPPER + ["serve", "--model-path", str(path), "--skip-tokenizer-init", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert r.returncode != 0
+    assert "missing skipper tensor 'model.layers.3.router.router_enc.weight'" in r.stdout + r.stderr

@@ -1,0 +1,107 @@
+"""`vskipper serve | inspect` (and, as they land, `bench`, `calibrate`, `train`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+CPU_DEFAULTS = {  # SGLang flags for a machine without a GPU (FACTS.md), unless the user gives them
+    "--device": "cpu",
+    "--dtype": "float32",
+    "--attention-backend": "torch_native",
+    "--max-total-tokens": "16384",
+}
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _fail(msg: str) -> None:
+    print(f"vskipper: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]:
+    """Validate everything we can before SGLang starts, then return the server command line."""
+    import torch
+
+    from vskipper.integrations.sglang.settings import Settings
+    from vskipper.models.checkpoint import DD_ARCHITECTURES, CheckpointError, read_config
+
+    env = dict(os.environ)
+    if args.skipper:
+        env["VSKIPPER_SKIPPER"] = args.skipper
+    if args.execution:
+        env["VSKIPPER_EXECUTION"] = args.execution
+    if args.stats_interval is not None:
+        env["VSKIPPER_STATS_INTERVAL"] = str(args.stats_interval)
+    try:
+        settings = Settings.from_env(env)  # a malformed skipper spec fails here, naming the field
+    except ValueError as e:
+        _fail(str(e))
+    model_path = args.model_path
+    if model_path is None:
+        from vskipper.models.smollm2 import smollm2_dir
+
+        model_path = str(smollm2_dir())
+    else:
+        try:
+            arch = (read_config(model_path).get("architectures") or [None])[0]
+        except CheckpointError as e:
+            _fail(str(e))
+        if arch in DD_ARCHITECTURES and settings.skipper_spec:
+            _fail(f"{model_path} is a skip-aware checkpoint ({arch}) with its own skipper; drop --skipper")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+    if not _has_flag(sglang_args, "--host"):
+        cmd += ["--host", "127.0.0.1"]
+    if not torch.cuda.is_available():
+        env["SGLANG_PLATFORM"] = "vskipper_cpu"
+        for flag, value in CPU_DEFAULTS.items():
+            if not _has_flag(sglang_args, flag):
+                cmd += [flag, value]
+    args._env = env
+    return cmd + sglang_args
+
+
+def inspect_command(args: argparse.Namespace) -> None:
+    """Print what vskipper reads from a checkpoint directory, or fail naming what is wrong."""
+    from vskipper.models.checkpoint import load_tensors, read_config, skipper_fields
+    from vskipper.skippers.flexidepth import FlexiDepth
+
+    cfg = read_config(args.path)
+    f = skipper_fields(cfg, args.path)
+    sk = FlexiDepth(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
+                    gate=f["gate_mode"], router_reduction_factor=f["router_reduction_factor"],
+                    proj_reduction_factor=f["proj_reduction_factor"])
+    sk.load_flexidepth_state_dict(load_tensors(args.path, keys=sk.expected_shapes()), source=str(args.path))
+    print(json.dumps({k: v for k, v in f.items()}, indent=2))
+    print(f"skipper tensors: {len(sk.expected_shapes())} present with the expected shapes")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="vskipper", description="Dynamic layer skipping for LLM serving")
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="launch SGLang with vskipper (any other flags go to SGLang)")
+    s.add_argument("--skipper", help="skipper spec for a stock model, e.g. random:rate=0.5,layers=15-29,seed=0")
+    s.add_argument("--model-path", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
+    s.add_argument("--execution", choices=["auto", "dense", "routed"])
+    s.add_argument("--stats-interval", type=int, help="log skip statistics every N decode steps")
+    i = sub.add_parser("inspect", help="check a skip-aware checkpoint directory")
+    i.add_argument("path")
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "serve":
+        cmd = serve_command(args, rest)
+        print("vskipper: " + " ".join(cmd), file=sys.stderr, flush=True)
+        os.execve(cmd[0], cmd, args._env)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        inspect_command(args)
+    except ValueError as e:
+        _fail(str(e))
+
+
+if __name__ == "__main__":
+    main()
