@@ -1,0 +1,121 @@
+"""What every op file shares: the optional Triton import, interpreter detection, argument checks.
+
+Triton is optional: without it (a CPU-only or macOS install) the op files still import, their
+torch references work, and a launcher raises a ValueError that says how to choose the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the kernels below are then plain functions that are never launched
+    HAS_TRITON = False
+
+    class _NoTriton:
+        __version__ = "none"
+
+        @staticmethod
+        def jit(fn=None, **_):
+            return fn if fn is not None else (lambda f: f)
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 << max(0, n - 1).bit_length()
+
+    class _NoTl:
+        constexpr = None
+
+    triton = _NoTriton()
+    tl = _NoTl()
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+INDEXES = (torch.int32, torch.int64)
+
+
+def interpreted(kernel) -> bool:
+    """True when `kernel` was decorated under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def dot_flags(dtype: torch.dtype, kernel) -> tuple[bool, str]:
+    """(UPCAST, PRECISION) for tl.dot on inputs of `dtype`.
+
+    The interpreter's tl.dot on bf16 is silently wrong (FACTS.md): upcast to f32 there. On a GPU
+    bf16/fp16 go to the tensor cores as they are; f32 asks for "ieee" so that results match torch's
+    f32 matmul (torch does not use tf32 by default) within the f32 tolerance."""
+    upcast = dtype == torch.bfloat16 and interpreted(kernel)
+    return upcast, "ieee" if (dtype == torch.float32 or upcast) else "tf32"
+
+
+def expect(ok: bool, op: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"vskipper.ops.{op}: {msg}")
+
+
+def check_dtype(op: str, name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    expect(t.dtype in allowed, op, f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
+
+
+def check_dim(op: str, name: str, t: torch.Tensor, dim: int, legend: str) -> None:
+    expect(t.dim() == dim, op, f"{name} must be {legend}, got shape {list(t.shape)}")
+
+
+def check_devices(op: str, **tensors: torch.Tensor | None) -> torch.device:
+    named = {k: v for k, v in tensors.items() if v is not None}
+    first_name, first = next(iter(named.items()))
+    for k, v in named.items():
+        expect(v.device == first.device, op, f"{k} is on {v.device} but {first_name} is on {first.device}")
+    return first.device
+
+
+def check_count(op: str, count: torch.Tensor, name: str = "count") -> None:
+    """A device-side count: one int32/int64 element, shape [1] or []."""
+    check_dtype(op, name, count, INDEXES)
+    expect(count.numel() == 1 and count.dim() <= 1, op, f"{name} must hold one element ([1] or []), got shape {list(count.shape)}")
+
+
+def check_inner_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    """Kernels take any row stride but need the last dimension dense."""
+    expect(t.shape[-1] <= 1 or t.stride(-1) == 1, op,
+           f"{name} must have a contiguous last dimension (stride {t.stride()}); call .contiguous() first")
+
+
+def check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    expect(t.is_contiguous(), op, f"{name} must be contiguous (stride {t.stride()}); call .contiguous() first")
+
+
+def check_launchable(op: str, kernel, device: torch.device) -> None:
+    expect(HAS_TRITON, op, "Triton is not installed; set VSKIPPER_IMPL=torch to use the torch reference")
+    expect(device.type == "cuda" or interpreted(kernel), op,
+           f"the Triton kernel needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before "
+           "vskipper's kernels are imported, or use VSKIPPER_IMPL=torch")
+
+
+def count_scalar(count: torch.Tensor) -> torch.Tensor:
+    """The count as a 0-d tensor, for fixed-shape (no host sync) comparisons."""
+    return count.reshape(())
+
+
+def host_count(count: torch.Tensor, limit: int) -> int:
+    """The count read on the host, clamped to [0, limit]: only for the CPU (dynamic) references."""
+    return max(0, min(int(count.reshape(())), limit))
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile (pid_m, pid_n) of program `pid`, GROUP_M row tiles at a time so that the weight tiles a
+    group shares stay in L2 (the Triton matmul tutorial's ordering)."""
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n

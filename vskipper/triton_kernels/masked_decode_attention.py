@@ -1,0 +1,169 @@
+"""masked_decode_attention: paged decode attention over SGLang's KV layout, for RUN rows only.
+
+B = decode rows (one new token per request), nh / kvh = query / KV heads (GQA: head h reads KV head
+h // (nh // kvh)), d = head dim, P = KV pool slots, R x C = SGLang's req_to_token table.
+    q [B, nh, d], k_buffer, v_buffer [P, kvh, d], req_to_token [R, C] int32,
+    req_pool_indices [B], seq_lens [B], run_mask [B] bool, sm_scale -> o [B, nh, d]
+Position p < seq_lens[b] of request b lives at pool slot req_to_token[req_pool_indices[b], p]; all
+are attended (causality is implicit at decode). Rows whose run_mask is False read no K/V and get
+zeros. The softmax is in f32; a row with seq_len 0 gets zeros. One program per (row, KV head)
+holds the whole query group; no split over the sequence yet (long contexts at small batches leave
+SMs idle: a second, split-K stage is the next step if the GPU check shows it).
+"""
+from __future__ import annotations
+
+import torch
+
+from vskipper import kernel_configs
+from vskipper.triton_kernels._common import (
+    FLOATS, INDEXES, check_devices, check_dim, check_dtype, check_inner_contiguous, check_launchable,
+    dot_flags, expect, tl, triton)
+
+
+def default_config(bucket: int) -> dict:
+    """Untuned defaults (no GPU measured yet): 64 positions of K and V per step (32 KB of bf16 at
+    d = 128), the flash-decoding tile; 4 warps, 2 stages to overlap the next page's loads."""
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit
+def _masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, seq_ptr, run_ptr, o_ptr, sm_scale, D,
+                                    stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_r2t,
+                                    stride_ob, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                                    PRECISION: tl.constexpr):
+    # q_ptr: [B, nh, d]; k_ptr, v_ptr: [P, kvh, d]; r2t_ptr: [R, C] int32; rpi_ptr, seq_ptr: [B] int;
+    # run_ptr: [B] uint8; o_ptr: [B, nh, d]
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    gd_mask = (offs_g < GROUP)[:, None] & (offs_d < D)[None, :]
+    o_ptrs = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if tl.load(run_ptr + b) == 0:  # a skipped row: no K/V reads
+        tl.store(o_ptrs, tl.zeros((BLOCK_G, BLOCK_D), dtype=o_ptr.dtype.element_ty), mask=gd_mask)
+        return
+    seq_len = tl.load(seq_ptr + b).to(tl.int32)  # positions index one row of req_to_token: < 2**31
+    req = tl.load(rpi_ptr + b).to(tl.int64)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    in_d = offs_d < D
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        in_n = offs_n < seq_len
+        slots = tl.load(r2t_ptr + req * stride_r2t + offs_n, mask=in_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_kp + kv_head * stride_kh + offs_d[:, None],
+                    mask=in_d[:, None] & in_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_ptr + slots[:, None] * stride_vp + kv_head * stride_vh + offs_d[None, :],
+                    mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * sm_scale  # [BLOCK_G, BLOCK_N], f32
+        s = tl.where(in_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has a position < seq_len
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=gd_mask)
+
+
+def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask) -> None:
+    op = "masked_decode_attention"
+    check_dim(op, "q", q, 3, "[B, nh, d]")
+    check_dim(op, "k_buffer", k_buffer, 3, "[P, kvh, d]")
+    check_dim(op, "v_buffer", v_buffer, 3, "[P, kvh, d]")
+    check_dim(op, "req_to_token", req_to_token, 2, "[R, C]")
+    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("run_mask", run_mask)):
+        check_dim(op, name, t, 1, "[B]")
+        expect(t.shape[0] == q.shape[0], op, f"{name} has {t.shape[0]} entries but q has B = {q.shape[0]} rows")
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_dtype(op, name, t, FLOATS)
+        expect(t.dtype == q.dtype, op, f"{name} has dtype {t.dtype} but q has {q.dtype}")
+    check_dtype(op, "req_to_token", req_to_token, (torch.int32,))
+    check_dtype(op, "req_pool_indices", req_pool_indices, INDEXES)
+    check_dtype(op, "seq_lens", seq_lens, INDEXES)
+    check_dtype(op, "run_mask", run_mask, (torch.bool,))
+    expect(k_buffer.shape == v_buffer.shape, op,
+           f"k_buffer {list(k_buffer.shape)} and v_buffer {list(v_buffer.shape)} must have one shape")
+    nh, kvh = q.shape[1], k_buffer.shape[1]
+    expect(kvh > 0 and nh % kvh == 0, op, f"query heads nh = {nh} must be a multiple of KV heads kvh = {kvh}")
+    expect(k_buffer.shape[2] == q.shape[2], op, f"k_buffer has head dim {k_buffer.shape[2]} but q has {q.shape[2]}")
+    check_devices(op, q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
+                  req_pool_indices=req_pool_indices, seq_lens=seq_lens, run_mask=run_mask)
+
+
+def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
+    check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask)
+    op = "masked_decode_attention"
+    check_launchable(op, _masked_decode_attention_kernel, q.device)
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("req_to_token", req_to_token)):
+        check_inner_contiguous(op, name, t)
+    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("run_mask", run_mask)):
+        expect(t.is_contiguous(), op, f"{name} must be contiguous (stride {t.stride()}); call .contiguous() first")
+    B, nh, d = q.shape
+    kvh = k_buffer.shape[1]
+    o = torch.empty(B, nh, d, dtype=q.dtype, device=q.device)
+    if B == 0 or nh == 0 or d == 0:
+        return o
+    cfg = kernel_configs.lookup(op, B, q.device, default_config)
+    group = nh // kvh
+    upcast, precision = dot_flags(q.dtype, _masked_decode_attention_kernel)
+    _masked_decode_attention_kernel[(B, kvh)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask.view(torch.uint8), o,
+        float(sm_scale), d, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_N=cfg["BLOCK_N"], UPCAST=upcast, PRECISION=precision, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return o
+
+
+def _attend(q, k, v, attended, sm_scale: float):
+    """q [B, nh, d], k/v [B, L, kvh, d], attended [B, L] bool -> [B, nh, d] in f32 (GQA without copies)."""
+    B, nh, d = q.shape
+    kvh = k.shape[2]
+    qg = q.float().reshape(B, kvh, nh // kvh, d) * sm_scale  # [B, kvh, G, d]
+    s = qg @ k.float().permute(0, 2, 3, 1)  # [B, kvh, G, L]
+    s = s.masked_fill(~attended[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with nothing attended: zeros
+    return (p @ v.float().transpose(1, 2)).reshape(B, nh, d)  # [B, kvh, G, d] -> [B, nh, d]
+
+
+def reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
+    """Fixed shapes, no host sync: every row gathers all C columns (slots clamped into the pool),
+    masked to its sequence; skipped rows are zeroed. Only for tiny shapes: it holds [B, C, kvh, d]."""
+    check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask)
+    B, C, P = q.shape[0], req_to_token.shape[1], k_buffer.shape[0]
+    if B == 0 or C == 0 or P == 0:
+        return q.new_zeros(q.shape)
+    slots = req_to_token.index_select(0, req_pool_indices.long()).long().clamp(0, P - 1)  # [B, C]
+    attended = torch.arange(C, device=q.device)[None, :] < seq_lens[:, None]  # [B, C]
+    o = _attend(q, k_buffer[slots], v_buffer[slots], attended, sm_scale)
+    return torch.where(run_mask[:, None, None], o, 0.0).to(q.dtype)
+
+
+def reference_dynamic(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
+    """CPU serving path (may sync): gathers only the RUN rows, up to their longest sequence."""
+    check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask)
+    o = q.new_zeros(q.shape)
+    run = run_mask.nonzero().squeeze(1)
+    if run.numel() == 0:
+        return o
+    lens = seq_lens.index_select(0, run)
+    L = int(lens.max())
+    if L <= 0:
+        return o
+    slots = req_to_token.index_select(0, req_pool_indices.index_select(0, run).long())[:, :L].long()  # [n, L]
+    attended = torch.arange(L, device=q.device)[None, :] < lens[:, None]
+    slots = torch.where(attended, slots, 0)
+    o[run] = _attend(q.index_select(0, run), k_buffer[slots], v_buffer[slots], attended, sm_scale).to(q.dtype)
+    return o
