@@ -1,24 +1,171 @@
 """The one dispatch point for vskipper's grouped-execution ops.
 
-Shapes: T = rows (tokens) in the batch, H = hidden size.
+Legend: T = rows (tokens) in the batch, H = hidden size, R = rows in a map (= T in the routed body),
+I = MLP width, B = decode rows, nh / kvh = query / KV heads, d = head dim.
+
+Every op is a `torch.library.custom_op` in the `vskipper` namespace with a fake implementation,
+so it traces under torch.compile (opaque to it) and keeps fixed output shapes. Counts stay on the
+device. Which implementation runs is decided per call by `implementation(device)`:
+
+    triton  the kernel in vskipper/triton_kernels/<op>.py: CUDA tensors (CPU ones too under
+            TRITON_INTERPRET=1, which is how the tests run them)
+    torch   the pure-torch reference beside it. On an accelerator, the fixed-shape reference:
+            no host sync, CUDA-graph safe. On CPU, where there are no graphs and reading a count
+            costs nothing, the dynamic variant that touches only the rows the count names.
+
+Default: triton for CUDA tensors, torch for everything else. VSKIPPER_IMPL=torch|triton forces one.
 """
-from __future__ import annotations
+import importlib
+import os
+from typing import Optional
 
 import torch
+from torch import Tensor
+
+IMPLS = ("torch", "triton")
+
+__all__ = [
+    "route_maps", "gather_rows", "scatter_combine_", "grouped_linear", "grouped_swiglu_",
+    "masked_decode_attention", "masked_decode_attention_dynamic", "implementation",
+]
 
 
-def route_maps(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
-    """run_mask [T] bool, valid [T] bool | None -> (run_rows [T] int32, project_rows [T] int32, counts [2] int32).
+def implementation(device: torch.device) -> str:
+    """The one place VSKIPPER_IMPL is read: "torch" or "triton" for tensors on `device`."""
+    value = os.environ.get("VSKIPPER_IMPL", "")
+    if value == "":
+        return "triton" if device.type == "cuda" else "torch"
+    if value not in IMPLS:
+        raise ValueError(f"VSKIPPER_IMPL={value!r} is not one of {list(IMPLS)} "
+                         "(leave it unset for Triton on CUDA tensors and torch elsewhere)")
+    return value
 
-    run_rows[:counts[0]] are the indices where run_mask & valid, ascending; project_rows[:counts[1]]
-    where ~run_mask & valid, ascending. A stable, deterministic compaction with no host sync."""
-    run_mask = run_mask.reshape(-1)
-    if valid is None:
-        valid = torch.ones_like(run_mask)
-    valid = valid.reshape(-1)
-    run = run_mask & valid
-    project = ~run_mask & valid
-    run_rows = torch.argsort((~run).to(torch.int8), stable=True).to(torch.int32)
-    project_rows = torch.argsort((~project).to(torch.int8), stable=True).to(torch.int32)
-    counts = torch.stack([run.sum(), project.sum()]).to(torch.int32)
-    return run_rows, project_rows, counts
+
+def _kernels(name: str):
+    return importlib.import_module(f"vskipper.triton_kernels.{name}")
+
+
+def _call(name: str, device: torch.device, *args):
+    mod = _kernels(name)
+    if implementation(device) == "triton":
+        return mod.launch(*args)
+    if device.type == "cpu":
+        return getattr(mod, "reference_dynamic", mod.reference)(*args)
+    return mod.reference(*args)
+
+
+# --- route_maps -------------------------------------------------------------------------------
+@torch.library.custom_op("vskipper::route_maps", mutates_args=())
+def _route_maps(run_mask: Tensor, valid: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return _call("route_maps", run_mask.device, run_mask, valid)
+
+
+@_route_maps.register_fake
+def _(run_mask, valid):
+    _kernels("route_maps").check(run_mask, valid)
+    T = run_mask.shape[0]
+    return (run_mask.new_empty(T, dtype=torch.int32), run_mask.new_empty(T, dtype=torch.int32),
+            run_mask.new_empty(2, dtype=torch.int32))
+
+
+def route_maps(run_mask: Tensor, valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """run_mask [...] bool, valid [...] bool | None -> (run_rows [T] int32, project_rows [T] int32, counts [2] int32),
+    T = run_mask.numel() (any shape is flattened).
+
+    run_rows[:counts[0]] are the rows where run_mask & valid, ascending; project_rows[:counts[1]]
+    where ~run_mask & valid, ascending. Past a count every entry is still a valid row index (each
+    map is a stable partition of 0..T-1). Deterministic (prefix sums), no host sync."""
+    run_mask = run_mask.reshape(-1).contiguous()
+    if valid is not None:
+        valid = valid.reshape(-1).contiguous()
+    return _route_maps(run_mask, valid)
+
+
+# --- gather_rows ------------------------------------------------------------------------------
+@torch.library.custom_op("vskipper::gather_rows", mutates_args=())
+def gather_rows(x: Tensor, rows: Tensor, count: Tensor) -> Tensor:
+    """x [T, H], rows [R] int, count [1] int -> y [R, H]: y[j] = x[rows[j]] for j < count, zeros after."""
+    return _call("gather_rows", x.device, x, rows, count)
+
+
+@gather_rows.register_fake
+def _(x, rows, count):
+    _kernels("gather_rows").check(x, rows, count)
+    return x.new_empty(rows.shape[0], x.shape[1])
+
+
+# --- scatter_combine_ -------------------------------------------------------------------------
+@torch.library.custom_op("vskipper::scatter_combine_", mutates_args=("out",))
+def scatter_combine_(out: Tensor, residual: Tensor, y: Tensor, rows: Tensor, count: Tensor,
+                     weight: Optional[Tensor] = None) -> None:
+    """In place, for j < count: out[rows[j]] = residual[rows[j]] + w[rows[j]] * y[j] (w = 1 if weight
+    is None). out, residual [T, H]; y [R, H]; rows [R] int; count [1] int; weight [T]. Other rows of
+    out are untouched; residual may be out itself."""
+    _call("scatter_combine", out.device, out, residual, y, rows, count, weight)
+
+
+@scatter_combine_.register_fake
+def _(out, residual, y, rows, count, weight=None):
+    _kernels("scatter_combine").check(out, residual, y, rows, count, weight)
+
+
+# --- grouped_linear ---------------------------------------------------------------------------
+@torch.library.custom_op("vskipper::grouped_linear", mutates_args=())
+def grouped_linear(x: Tensor, rows: Tensor, count: Tensor, weight: Tensor) -> Tensor:
+    """x [T, K], rows [R] int, count [1] int, weight [N, K] -> y [R, N]: y[j] = x[rows[j]] @ weight.T
+    for j < count, zeros after. The gather is fused into the GEMM's A load; row tiles past the
+    device-side count exit early."""
+    return _call("grouped_linear", x.device, x, rows, count, weight)
+
+
+@grouped_linear.register_fake
+def _(x, rows, count, weight):
+    _kernels("grouped_linear").check(x, rows, count, weight)
+    return x.new_empty(rows.shape[0], weight.shape[0])
+
+
+# --- grouped_swiglu_ --------------------------------------------------------------------------
+@torch.library.custom_op("vskipper::grouped_swiglu_", mutates_args=("out",))
+def grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, count: Tensor, w_gate: Tensor,
+                    w_up: Tensor, w_down: Tensor, weight: Optional[Tensor] = None) -> None:
+    """In place, for j < count, r = rows[j]:
+        out[r] = residual[r] + w[r] * (silu(x[r] @ w_gate.T) * (x[r] @ w_up.T)) @ w_down.T   (w = 1 if None)
+    out, residual, x [T, H]; w_gate, w_up [I, H]; w_down [H, I]; weight [T]. Other rows untouched.
+    FlexiDepth's adapter up_proj(silu(gate_proj(y)) * down_proj(y)) is w_gate=gate_proj,
+    w_up=down_proj, w_down=up_proj."""
+    _call("grouped_swiglu", x.device, out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+
+
+@grouped_swiglu_.register_fake
+def _(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None):
+    _kernels("grouped_swiglu").check(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+
+
+# --- masked_decode_attention ------------------------------------------------------------------
+@torch.library.custom_op("vskipper::masked_decode_attention", mutates_args=())
+def masked_decode_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
+                            req_pool_indices: Tensor, seq_lens: Tensor, run_mask: Tensor, sm_scale: float) -> Tensor:
+    """Paged decode attention for RUN rows over SGLang's KV layout. q [B, nh, d], k_buffer and
+    v_buffer [P, kvh, d], req_to_token [R, C] int32, req_pool_indices [B] int, seq_lens [B] int,
+    run_mask [B] bool -> o [B, nh, d]. Position p < seq_lens[b] of request b is pool slot
+    req_to_token[req_pool_indices[b], p]; GQA: head h reads KV head h // (nh // kvh); softmax in f32.
+    Rows with run_mask False read no K/V and get zeros."""
+    return _call("masked_decode_attention", q.device, q, k_buffer, v_buffer, req_to_token, req_pool_indices,
+                 seq_lens, run_mask, sm_scale)
+
+
+@masked_decode_attention.register_fake
+def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale):
+    _kernels("masked_decode_attention").check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                                              run_mask)
+    return q.new_empty(q.shape)
+
+
+def masked_decode_attention_dynamic(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
+                                    req_pool_indices: Tensor, seq_lens: Tensor, run_mask: Tensor,
+                                    sm_scale: float) -> Tensor:
+    """The same result as masked_decode_attention in plain torch, gathering only the RUN rows up to
+    their longest sequence. It syncs with the host (nonzero, max): for CPU serving, never inside a
+    CUDA graph. (The custom op already takes this path for CPU tensors.)"""
+    return _kernels("masked_decode_attention").reference_dynamic(q, k_buffer, v_buffer, req_to_token,
+                                                                 req_pool_indices, seq_lens, run_mask, sm_scale)
