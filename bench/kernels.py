@@ -1,0 +1,321 @@
+"""Time vskipper's grouped-execution ops: Triton kernel vs the fixed-shape torch reference vs plain
+torch/cuBLAS on exactly the gathered rows, side by side in one run. Prints one markdown table.
+
+    python bench/kernels.py                       # T in {16, 64, 256, 1024}, H=4096, I=14336, bf16, 75% RUN
+    python bench/kernels.py --out kernels.md      # also write the table to a file
+    python bench/kernels.py --tune DIR            # sweep kernel configs per token bucket, write DIR/<gpu>.json
+    python bench/kernels.py --smoke               # tiny shapes on CPU (Triton interpreter): checks the script runs
+
+Legend: T = rows in the batch (the captured capacity), n = rows that RUN (the device-side count),
+H = hidden, I = MLP width. Times are microseconds per call, the median of 7 replays of a CUDA graph
+holding `reps` calls (what a captured decode step pays), and for Triton also the eager time of one
+call (Python and launch overhead included). "base" is plain torch on the n gathered rows, exact
+count and pre-gathered (cuBLAS for the GEMMs): the best a dynamic-shape path could do.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    op: str
+    T: int
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    config: Config
+    triton_us: float
+    triton_eager_us: float
+    ref_us: float
+    base_us: float | None
+    check: str
+    figure: str  # the figure people care about: TFLOP/s for GEMMs, GB/s for memory-bound ops
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024])
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=14336)
+    p.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("NH", "KVH", "D"))
+    p.add_argument("--context", type=int, default=1024, help="decode context length for attention")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--run-fraction", type=float, default=0.75)
+    p.add_argument("--ops", nargs="+", default=["route_maps", "gather_rows", "scatter_combine_", "grouped_linear",
+                                                "grouped_swiglu_", "masked_decode_attention"])
+    p.add_argument("--out", type=Path, help="also write the markdown table here")
+    p.add_argument("--tune", type=Path, metavar="DIR", help="sweep configs and write a stamped table into DIR")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    a = p.parse_args()
+    if a.smoke:
+        a.tokens, a.hidden, a.inter, a.heads, a.context, a.dtype = [4, 16], 64, 96, [4, 2, 16], 40, "fp32"
+    return a
+
+
+ARGS = parse()
+if ARGS.smoke:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from vskipper import kernel_configs, ops  # noqa: E402
+from vskipper.triton_kernels import (gather_rows, grouped_linear, grouped_swiglu,  # noqa: E402
+                                     masked_decode_attention, route_maps, scatter_combine)
+
+CUDA = torch.cuda.is_available() and not ARGS.smoke
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[ARGS.dtype]
+REPLAYS = 7
+
+
+# --- timing ------------------------------------------------------------------------------------
+def eager_us(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    if not CUDA:
+        t = []
+        for _ in range(3):
+            s = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - s) * 1e6)
+        return statistics.median(t)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def graph_us(fn, budget_us: float = 3000.0) -> float:
+    """Per-call time inside a CUDA graph of `reps` calls (reps sized to about budget_us)."""
+    if not CUDA:
+        return eager_us(fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    reps = int(min(50, max(3, budget_us / max(eager_us(fn, 5), 1.0))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del graph
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def impl(name: str):
+    old = os.environ.get("VSKIPPER_IMPL")
+    os.environ["VSKIPPER_IMPL"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["VSKIPPER_IMPL"]
+        else:
+            os.environ["VSKIPPER_IMPL"] = old
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> str:
+    scale = b.float().abs().max().clamp(min=1e-6)
+    err = ((a.float() - b.float()).abs().max() / scale).item()
+    return "ok" if err < (2e-2 if DTYPE != torch.float32 else 1e-4) else f"MISMATCH {err:.2g}"
+
+
+# --- one case per op ---------------------------------------------------------------------------
+def make_batch(T: int, n: int):
+    g = torch.Generator().manual_seed(T)
+    run = torch.zeros(T, dtype=torch.bool)
+    run[torch.randperm(T, generator=g)[:n]] = True
+    run = run.to(DEV)
+    rows, _, counts = ops.route_maps(run)
+    return g, run, rows, counts[0:1]
+
+
+def rnd(g, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(DTYPE).to(DEV)
+
+
+def case(op: str, T: int, n: int):
+    """(fn(), base() | None, output-of-fn getter, flops, bytes) for op at capacity T with n RUN rows."""
+    H, I = ARGS.hidden, ARGS.inter
+    g, run, rows, count = make_batch(T, n)
+    rn = rows[:n].long()  # host-side slice: only the baselines use it
+    if op == "route_maps":
+        return (lambda: ops.route_maps(run)), None, (lambda r: r[0][:n]), 0, T * (1 + 2 * 4)
+    if op == "gather_rows":
+        x = rnd(g, T, H)
+        return (lambda: ops.gather_rows(x, rows, count)), (lambda: x.index_select(0, rn)), (lambda r: r), 0, \
+            2 * n * H * x.element_size()
+    if op == "scatter_combine_":
+        out, res, y, w = rnd(g, T, H), rnd(g, T, H), rnd(g, T, H), torch.rand(T, generator=g).to(DEV)
+
+        def base():
+            out[rn] = res[rn] + w[rn, None].to(DTYPE) * y[:n]
+        return (lambda: ops.scatter_combine_(out, res, y, rows, count, w) or out), base, (lambda r: r.clone()), 0, \
+            3 * n * H * out.element_size()
+    if op == "grouped_linear":
+        x, w = rnd(g, T, H), rnd(g, I, H, scale=H ** -0.5)
+        xg = x.index_select(0, rn)
+        return (lambda: ops.grouped_linear(x, rows, count, w)), (lambda: xg @ w.T), (lambda r: r[:n]), 2 * n * H * I, \
+            w.numel() * w.element_size()
+    if op == "grouped_swiglu_":
+        x, out, res = rnd(g, T, H), rnd(g, T, H), rnd(g, T, H)
+        wg, wu, wd = rnd(g, I, H, scale=H ** -0.5), rnd(g, I, H, scale=H ** -0.5), rnd(g, H, I, scale=I ** -0.5)
+        w = torch.rand(T, generator=g).to(DEV)
+        xg = x.index_select(0, rn)
+        return (lambda: ops.grouped_swiglu_(out, res, x, rows, count, wg, wu, wd, w) or out), \
+            (lambda: (F.silu(xg @ wg.T) * (xg @ wu.T)) @ wd.T), (lambda r: r.clone()), 6 * n * H * I, \
+            3 * wg.numel() * wg.element_size()
+    if op == "masked_decode_attention":
+        nh, kvh, d = ARGS.heads
+        C = ARGS.context
+        P = T * C
+        q, k, v = rnd(g, T, nh, d), rnd(g, P, kvh, d), rnd(g, P, kvh, d)
+        req_to_token = torch.randperm(P, generator=g).to(torch.int32).view(T, C).to(DEV)
+        rpi = torch.arange(T, device=DEV)
+        lens = torch.full((T,), C, device=DEV)
+        return (lambda: ops.masked_decode_attention(q, k, v, req_to_token, rpi, lens, run, d ** -0.5)), None, \
+            (lambda r: r), 4 * n * nh * C * d, 2 * n * C * kvh * d * k.element_size()
+    raise ValueError(f"unknown op {op!r}")
+
+
+def measure(cfg: Config) -> Result:
+    fn, base, view, flops, nbytes = case(cfg.op, cfg.T, cfg.n)
+    with impl("triton"):
+        got = view(fn())
+        t_eager = eager_us(fn)
+        t_triton = graph_us(fn)
+    with impl("torch"):
+        check = compare(got, view(fn()))
+        t_ref = graph_us(fn)
+    t_base = graph_us(base) if base is not None else None
+    if flops:
+        figure = f"{flops / t_triton / 1e6:.0f} TFLOP/s"
+    else:
+        figure = f"{nbytes / t_triton / 1e3:.0f} GB/s"
+    return Result(cfg, t_triton, t_eager, t_ref, t_base, check, figure)
+
+
+def table(results: list[Result]) -> str:
+    head = ("| op | T | n | triton (us) | torch ref (us) | base: torch on n rows (us) | triton / base | "
+            "triton / ref | triton eager (us) | triton achieves | check |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        c = r.config
+        base = f"{r.base_us:.1f}" if r.base_us is not None else "-"
+        vs_base = f"{r.triton_us / r.base_us:.2f}" if r.base_us else "-"
+        lines.append(f"| {c.op} | {c.T} | {c.n} | {r.triton_us:.1f} | {r.ref_us:.1f} | {base} | {vs_base} | "
+                     f"{r.triton_us / r.ref_us:.2f} | {r.triton_eager_us:.1f} | {r.figure} | {r.check} |")
+    return "\n".join(lines)
+
+
+# --- tuning ------------------------------------------------------------------------------------
+def gemm_candidates(bucket: int) -> list[dict]:
+    """A small sweep around the defaults: 32 configs per bucket (about a second each to compile)."""
+    m = min(max(bucket, 16), 128)
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": st}
+            for bm, bn, bk, w, st in itertools.product(sorted({m, max(16, m // 2)}), [64, 128], [64, 128], [4, 8],
+                                                       [3, 4])]
+
+
+def sweeps(op: str, bucket: int, best: dict) -> list[list[dict]]:
+    """Stages of candidate overrides for op; a later stage builds on the best of the one before."""
+    if op == "route_maps":
+        return [[{"BLOCK": b, "num_warps": w} for b, w in itertools.product([256, 512, 1024, 2048], [2, 4, 8])]]
+    if op == "masked_decode_attention":
+        return [[{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                 for bn, w, st in itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3])]]
+    if op == "grouped_linear":
+        return [gemm_candidates(bucket)]
+    if op == "grouped_swiglu_":  # gate/up first (down at its default), then down
+        return [[{"gate_up": c} for c in gemm_candidates(bucket)],
+                [{"down": c} for c in gemm_candidates(bucket)]]
+    return []  # gather_rows, scatter_combine_: defaults
+
+
+def tune(directory: Path) -> None:
+    """Per op and token bucket, time each candidate in a CUDA graph and keep the fastest; write a
+    table stamped with this GPU and these versions."""
+    gpu = torch.cuda.get_device_name()
+    found: dict[str, dict[str, dict]] = {}
+    real_lookup = kernel_configs.lookup
+    for op, T in itertools.product(ARGS.ops, ARGS.tokens):
+        b = kernel_configs.bucket(T)
+        fn = case(op, T, max(1, round(T * ARGS.run_fraction)))[0]
+        best: dict = {}
+        for stage in range(len(sweeps(op, b, best))):
+            winner = (float("inf"), None)
+            for cand in sweeps(op, b, best)[stage]:
+                over = {**best, **cand}
+                kernel_configs.lookup = lambda o, t, d, default, _o=over: {**default(kernel_configs.bucket(t)), **_o}
+                try:
+                    with impl("triton"):
+                        t_us = graph_us(fn, budget_us=1000.0)
+                except Exception as e:  # a config that does not compile or fit (shared memory): skipped
+                    print(f"  {op} T={T} {cand}: {type(e).__name__}", file=sys.stderr)
+                    continue
+                finally:
+                    kernel_configs.lookup = real_lookup
+                winner = min(winner, (t_us, over), key=lambda w: w[0])
+            if winner[1] is not None:
+                best = winner[1]
+                print(f"{op} T={T} stage {stage}: {best} {winner[0]:.1f} us", file=sys.stderr, flush=True)
+        if best:
+            found.setdefault(op, {})[str(b)] = best
+    path = kernel_configs.save(found, gpu, directory)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def main() -> None:
+    if ARGS.tune:
+        if not CUDA:
+            raise SystemExit("--tune needs a CUDA device")
+        tune(ARGS.tune)
+        return
+    results = []
+    for T, op in itertools.product(ARGS.tokens, ARGS.ops):
+        n = max(1, round(T * ARGS.run_fraction))
+        results.append(measure(Config(op, T, n)))
+        print(f"  {op} T={T}: {results[-1].triton_us:.1f} us ({results[-1].check})", file=sys.stderr, flush=True)
+    name = torch.cuda.get_device_name() if CUDA else "CPU (Triton interpreter; timings meaningless)"
+    text = (f"Kernels on {name}, {ARGS.dtype}, H={ARGS.hidden}, I={ARGS.inter}, heads {ARGS.heads}, context "
+            f"{ARGS.context}, n = {ARGS.run_fraction:.0%} of T; torch {torch.__version__}, configs: "
+            f"{'tuned table if present' if kernel_configs.autotune_enabled() else 'defaults (VSKIPPER_AUTOTUNE=0)'}\n\n"
+            + table(results) + "\n")
+    print(text)
+    if ARGS.out:
+        ARGS.out.parent.mkdir(parents=True, exist_ok=True)
+        ARGS.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
