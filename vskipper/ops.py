@@ -3,8 +3,10 @@
 Legend: T = rows (tokens) in the batch, H = hidden size, R = rows in a map (= T in the routed body),
 I = MLP width, B = decode rows, nh / kvh = query / KV heads, d = head dim.
 
-Every op is a `torch.library.custom_op` in the `vskipper` namespace with a fake implementation,
-so it traces under torch.compile (opaque to it) and keeps fixed output shapes. Counts stay on the
+Every op is a `torch.library.custom_op` in the `vskipper` namespace (torch.ops.vskipper.<op>) with
+a fake implementation, so it traces under torch.compile (opaque to it) and keeps fixed output
+shapes. The public names below are plain functions over them, so that fx passes can use them as
+call_function targets. Counts stay on the
 device. Which implementation runs is decided per call by `implementation(device)`:
 
     triton  the kernel in vskipper/triton_kernels/<op>.py: CUDA tensors (CPU ones too under
@@ -83,12 +85,16 @@ def route_maps(run_mask: Tensor, valid: Optional[Tensor] = None) -> tuple[Tensor
 
 # --- gather_rows ------------------------------------------------------------------------------
 @torch.library.custom_op("vskipper::gather_rows", mutates_args=())
-def gather_rows(x: Tensor, rows: Tensor, count: Tensor) -> Tensor:
-    """x [T, H], rows [R] int, count [1] int -> y [R, H]: y[j] = x[rows[j]] for j < count, zeros after."""
+def _gather_rows(x: Tensor, rows: Tensor, count: Tensor) -> Tensor:
     return _call("gather_rows", x.device, x, rows, count)
 
 
-@gather_rows.register_fake
+def gather_rows(x: Tensor, rows: Tensor, count: Tensor) -> Tensor:
+    """x [T, H], rows [R] int, count [1] int -> y [R, H]: y[j] = x[rows[j]] for j < count, zeros after."""
+    return _gather_rows(x, rows, count)
+
+
+@_gather_rows.register_fake
 def _(x, rows, count):
     _kernels("gather_rows").check(x, rows, count)
     return x.new_empty(rows.shape[0], x.shape[1])
@@ -96,29 +102,38 @@ def _(x, rows, count):
 
 # --- scatter_combine_ -------------------------------------------------------------------------
 @torch.library.custom_op("vskipper::scatter_combine_", mutates_args=("out",))
+def _scatter_combine_(out: Tensor, residual: Tensor, y: Tensor, rows: Tensor, count: Tensor,
+                      weight: Optional[Tensor]) -> None:
+    _call("scatter_combine", out.device, out, residual, y, rows, count, weight)
+
+
 def scatter_combine_(out: Tensor, residual: Tensor, y: Tensor, rows: Tensor, count: Tensor,
                      weight: Optional[Tensor] = None) -> None:
     """In place, for j < count: out[rows[j]] = residual[rows[j]] + w[rows[j]] * y[j] (w = 1 if weight
     is None). out, residual [T, H]; y [R, H]; rows [R] int; count [1] int; weight [T]. Other rows of
     out are untouched; residual may be out itself."""
-    _call("scatter_combine", out.device, out, residual, y, rows, count, weight)
+    _scatter_combine_(out, residual, y, rows, count, weight)
 
 
-@scatter_combine_.register_fake
-def _(out, residual, y, rows, count, weight=None):
+@_scatter_combine_.register_fake
+def _(out, residual, y, rows, count, weight):
     _kernels("scatter_combine").check(out, residual, y, rows, count, weight)
 
 
 # --- grouped_linear ---------------------------------------------------------------------------
 @torch.library.custom_op("vskipper::grouped_linear", mutates_args=())
+def _grouped_linear(x: Tensor, rows: Tensor, count: Tensor, weight: Tensor) -> Tensor:
+    return _call("grouped_linear", x.device, x, rows, count, weight)
+
+
 def grouped_linear(x: Tensor, rows: Tensor, count: Tensor, weight: Tensor) -> Tensor:
     """x [T, K], rows [R] int, count [1] int, weight [N, K] -> y [R, N]: y[j] = x[rows[j]] @ weight.T
     for j < count, zeros after. The gather is fused into the GEMM's A load; row tiles past the
     device-side count exit early."""
-    return _call("grouped_linear", x.device, x, rows, count, weight)
+    return _grouped_linear(x, rows, count, weight)
 
 
-@grouped_linear.register_fake
+@_grouped_linear.register_fake
 def _(x, rows, count, weight):
     _kernels("grouped_linear").check(x, rows, count, weight)
     return x.new_empty(rows.shape[0], weight.shape[0])
@@ -126,6 +141,11 @@ def _(x, rows, count, weight):
 
 # --- grouped_swiglu_ --------------------------------------------------------------------------
 @torch.library.custom_op("vskipper::grouped_swiglu_", mutates_args=("out",))
+def _grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, count: Tensor, w_gate: Tensor,
+                     w_up: Tensor, w_down: Tensor, weight: Optional[Tensor]) -> None:
+    _call("grouped_swiglu", x.device, out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+
+
 def grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, count: Tensor, w_gate: Tensor,
                     w_up: Tensor, w_down: Tensor, weight: Optional[Tensor] = None) -> None:
     """In place, for j < count, r = rows[j]:
@@ -133,16 +153,22 @@ def grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, coun
     out, residual, x [T, H]; w_gate, w_up [I, H]; w_down [H, I]; weight [T]. Other rows untouched.
     FlexiDepth's adapter up_proj(silu(gate_proj(y)) * down_proj(y)) is w_gate=gate_proj,
     w_up=down_proj, w_down=up_proj."""
-    _call("grouped_swiglu", x.device, out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+    _grouped_swiglu_(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
 
 
-@grouped_swiglu_.register_fake
-def _(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None):
+@_grouped_swiglu_.register_fake
+def _(out, residual, x, rows, count, w_gate, w_up, w_down, weight):
     _kernels("grouped_swiglu").check(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
 
 
 # --- masked_decode_attention ------------------------------------------------------------------
 @torch.library.custom_op("vskipper::masked_decode_attention", mutates_args=())
+def _masked_decode_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
+                             req_pool_indices: Tensor, seq_lens: Tensor, run_mask: Tensor, sm_scale: float) -> Tensor:
+    return _call("masked_decode_attention", q.device, q, k_buffer, v_buffer, req_to_token, req_pool_indices,
+                 seq_lens, run_mask, sm_scale)
+
+
 def masked_decode_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
                             req_pool_indices: Tensor, seq_lens: Tensor, run_mask: Tensor, sm_scale: float) -> Tensor:
     """Paged decode attention for RUN rows over SGLang's KV layout. q [B, nh, d], k_buffer and
@@ -150,11 +176,11 @@ def masked_decode_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_t
     run_mask [B] bool -> o [B, nh, d]. Position p < seq_lens[b] of request b is pool slot
     req_to_token[req_pool_indices[b], p]; GQA: head h reads KV head h // (nh // kvh); softmax in f32.
     Rows with run_mask False read no K/V and get zeros."""
-    return _call("masked_decode_attention", q.device, q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                 seq_lens, run_mask, sm_scale)
+    return _masked_decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask,
+                                    float(sm_scale))
 
 
-@masked_decode_attention.register_fake
+@_masked_decode_attention.register_fake
 def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale):
     _kernels("masked_decode_attention").check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
                                               run_mask)
