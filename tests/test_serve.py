@@ -47,7 +47,8 @@ def test_serve_bundled_model_openai_completion_and_clean_shutdown(tmp_path):
 
     port = free_port()
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(VSKIPPER + ["serve", "--skipper", "random:rate=0.5,layers=15-29,seed=0", "--port", str(port)],
+    proc = subprocess.Popen(VSKIPPER + ["serve", "--skipper", "random:rate=0.5,layers=15-29,seed=0", "--port", str(port),
+                                        "--stats-interval", "2", "--enable-metrics"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(port, proc)
@@ -56,6 +57,10 @@ def test_serve_bundled_model_openai_completion_and_clean_shutdown(tmp_path):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         r = client.completions.create(model="default", prompt="1, 2, 3, 4,", max_tokens=8, temperature=0)
         assert r.usage.completion_tokens == 8 and isinstance(r.choices[0].text, str)
+        import requests
+
+        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'vskipper_routed_layer_tokens_total{layer="15",route="project"}' in metrics, metrics[-3000:]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

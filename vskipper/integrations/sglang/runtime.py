@@ -3,6 +3,7 @@ log per-layer skip statistics every N decode steps."""
 from __future__ import annotations
 
 import logging
+import os
 
 import vskipper
 from vskipper.integrations.sglang.settings import Settings
@@ -40,8 +41,32 @@ def format_stats(st: dict[int, dict[str, int]]) -> str:
     return f"skip ratio {skipped / max(1, tokens):.3f} over {tokens} routed-layer tokens; per layer {per_layer}"
 
 
+class PrometheusExport:
+    """Per-layer route counters exported through SGLang's Prometheus endpoint (--enable-metrics):
+    SGLang runs prometheus_client in multiprocess mode, so a counter created in the scheduler
+    process is served by /metrics. Metric: vskipper_routed_layer_tokens_total{layer, route}."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+
+        self.counter = Counter("vskipper_routed_layer_tokens_total",
+                               "Tokens that reached a routed layer, by route (run / project / nonfinite)",
+                               ["layer", "route"])
+        self.last: dict[tuple[int, str], int] = {}
+
+    def update(self, st: dict[int, dict[str, int]]) -> None:
+        for layer, s in st.items():
+            for route in ("run", "project", "nonfinite"):
+                key = (layer, route)
+                delta = s[route] - self.last.get(key, 0)
+                if delta > 0:
+                    self.counter.labels(layer=str(layer), route=route).inc(delta)
+                self.last[key] = s[route]
+
+
 def install_stats_logger(model, interval: int) -> None:
     steps = {"n": 0}
+    export = PrometheusExport() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
 
     def hook(module, args, kwargs, output):
         fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
@@ -49,7 +74,10 @@ def install_stats_logger(model, interval: int) -> None:
             return
         steps["n"] += 1
         if steps["n"] % interval == 0:
-            logger.info("vskipper: after %d decode steps: %s", steps["n"], format_stats(vskipper.stats(model)))
+            st = vskipper.stats(model)
+            logger.info("vskipper: after %d decode steps: %s", steps["n"], format_stats(st))
+            if export is not None:
+                export.update(st)
 
     # SGLang's runner calls model.forward() directly (no hooks); the inner model is called normally
     model.model.register_forward_hook(hook, with_kwargs=True)

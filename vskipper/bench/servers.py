@@ -1,0 +1,89 @@
+"""Start and stop SGLang servers for benchmarks: upstream (the stock model, nothing transformed)
+or with vskipper (a skipper spec, or a skip-aware checkpoint)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class System:
+    """One server configuration. skipper=None serves the model unchanged (upstream SGLang)."""
+
+    name: str
+    model_path: str
+    skipper: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class Server:
+    system: System
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout: float = 300) -> Server:
+    """Launch `python -m sglang.launch_server` for `system` and wait until /health answers.
+    --sleep-on-idle keeps an idle server off the CPU, so several can stay up and be measured in
+    turn on a small machine."""
+    import requests
+
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("VSKIPPER_SKIPPER", None)
+    if system.skipper:
+        env["VSKIPPER_SKIPPER"] = system.skipper
+    env.update(dict(system.env))
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", system.model_path, "--host", "127.0.0.1",
+           "--port", str(port), "--sleep-on-idle", "--max-total-tokens", str(max_total_tokens), "--log-level", "warning"]
+    if not torch.cuda.is_available():
+        env["SGLANG_PLATFORM"] = "vskipper_cpu"
+        cmd += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"server-{system.name}.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(system, port, proc, log_path)
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {system.name} exited ({proc.returncode}); see {log_path}")
+        try:
+            if requests.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(1.5)
+    stop(server)
+    raise RuntimeError(f"server {system.name} not healthy after {timeout:.0f} s; see {log_path}")
+
+
+def stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()

@@ -1,0 +1,194 @@
+"""The side-by-side serving benchmark: upstream SGLang vs SGLang + vskipper, same requests.
+
+1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
+   nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
+   skipper under test), all with --sleep-on-idle so idle ones stay off the CPU;
+2. find the knee of upstream's load curve: the last offered rate whose output throughput still
+   grows by >= 1% (rates are fractions of upstream's saturated capacity);
+3. run every system at 0.75x, 1x, 1.25x the knee and at saturation, with the same seeded Poisson
+   arrivals and pinned output lengths (ignore_eos), interleaved, `repeats` times;
+4. print a markdown table (means with 95% confidence intervals, deltas against upstream), write
+   it with the raw results (JSON) and a plot of latency against load (PNG) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vskipper.bench.load import Result, poisson_schedule, run_load, throughput
+from vskipper.bench.servers import System, start, stop
+
+KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)
+LOADS = (0.75, 1.0, 1.25, math.inf)  # multiples of the knee; inf = saturation
+
+
+@dataclass(frozen=True)
+class Settings:
+    requests: int
+    max_new_tokens: int
+    repeats: int
+    seed: int
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% confidence interval (normal approximation)."""
+    if not xs:
+        return math.nan, math.nan
+    m = statistics.fmean(xs)
+    return m, (1.96 * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
+
+
+def prompts() -> list[str]:
+    from vskipper.data import load
+
+    return [r["prompt"] for r in load("prompts")]
+
+
+def find_knee(server, ps: list[str], s: Settings) -> tuple[float, list[tuple[float, float]]]:
+    sat = run_load(server.url, poisson_schedule(ps, math.inf, s.requests, s.max_new_tokens, s.seed))
+    capacity = throughput(sat) / s.max_new_tokens  # req/s at saturation
+    log(f"upstream saturated throughput {throughput(sat):.1f} tok/s = {capacity:.2f} req/s")
+    curve, knee = [], None
+    for f in KNEE_FRACTIONS:
+        rate = f * capacity
+        tp = throughput(run_load(server.url, poisson_schedule(ps, rate, s.requests, s.max_new_tokens, s.seed + 1)))
+        log(f"  knee search: {rate:.2f} req/s -> {tp:.1f} tok/s")
+        if curve and tp < curve[-1][1] * 1.01:
+            knee = curve[-1][0]
+            curve.append((rate, tp))
+            break
+        curve.append((rate, tp))
+    return (knee if knee is not None else curve[-1][0]), curve
+
+
+def summarize(results: dict, systems: list[System], loads: list[tuple[str, float]]) -> str:
+    head = ("| load | system | e2e latency s (95% CI) | TTFT s | TPOT ms | output tok/s | failed | "
+            "e2e vs upstream | tok/s vs upstream |")
+    rows = [head, "|---" * (head.count("|") - 1) + "|"]
+    for label, _ in loads:
+        base = None
+        for sysm in systems:
+            runs = results[label][sysm.name]
+            ok = [r for run in runs for r in run if r.ok]
+            failed = sum(1 for run in runs for r in run if not r.ok)
+            e2e, ci = mean_ci([r.e2e for r in ok])
+            ttft = statistics.fmean(r.ttft for r in ok) if ok else math.nan
+            tpot = statistics.fmean(r.tpot for r in ok) * 1e3 if ok else math.nan
+            tp = statistics.fmean(throughput(run) for run in runs)
+            if base is None:
+                base = (e2e, tp)
+                d1 = d2 = "-"
+            else:
+                d1, d2 = f"{e2e / base[0] - 1:+.1%}", f"{tp / base[1] - 1:+.1%}"
+            rows.append(f"| {label} | {sysm.name} | {e2e:.2f} ± {ci:.2f} | {ttft:.2f} | {tpot:.0f} | {tp:.1f} | "
+                        f"{failed} | {d1} | {d2} |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, systems: list[System], loads: list[tuple[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [r for _, r in loads if math.isfinite(r)]
+    xs = [r if math.isfinite(r) else max(finite) * 1.5 for _, r in loads]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for sysm in systems:
+        ms, cis = zip(*[mean_ci([x.e2e for run in results[label][sysm.name] for x in run if x.ok]) for label, _ in loads])
+        ax.errorbar(xs, ms, yerr=cis, marker="o", capsize=3, label=sysm.name)
+    ax.set_xticks(xs, [label for label, _ in loads])
+    ax.set_xlabel("offered load (req/s)")
+    ax.set_ylabel("mean end-to-end latency (s)")
+    ax.set_title("SGLang vs SGLang + vskipper")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(systems: list[System], s: Settings, out: Path) -> str:
+    ps = prompts()
+    out.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    try:
+        for sysm in systems:
+            log(f"starting {sysm.name} ({sysm.skipper or 'no skipper'})")
+            servers[sysm.name] = start(sysm, out)
+            run_load(servers[sysm.name].url, poisson_schedule(ps, math.inf, 4, 8, 0))  # warm up
+        knee, curve = find_knee(servers[systems[0].name], ps, s)
+        log(f"knee of upstream's load curve: {knee:.2f} req/s")
+        loads = [(f"{f}x knee ({knee * f:.2f}/s)" if math.isfinite(f) else "saturation", knee * f) for f in LOADS]
+        results = {label: {sysm.name: [] for sysm in systems} for label, _ in loads}
+        for rep in range(s.repeats):
+            for i, (label, rate) in enumerate(loads):
+                order = systems[rep % len(systems):] + systems[:rep % len(systems)]  # interleave
+                for sysm in order:
+                    reqs = poisson_schedule(ps, rate, s.requests, s.max_new_tokens, s.seed + 100 * rep + i)
+                    res = run_load(servers[sysm.name].url, reqs)
+                    results[label][sysm.name].append(res)
+                    log(f"repeat {rep + 1}/{s.repeats} {label} {sysm.name}: {throughput(res):.1f} tok/s, "
+                        f"{sum(not r.ok for r in res)} failed")
+    finally:
+        for srv in servers.values():
+            stop(srv)
+    table = summarize(results, systems, loads)
+    header = (f"{time.strftime('%Y-%m-%d')}, {platform.node()} ({platform.machine()}, "
+              f"{__import__('os').cpu_count()} CPUs), {s.requests} requests x {s.repeats} repeats, "
+              f"{s.max_new_tokens} output tokens each, knee {knee:.2f} req/s")
+    plot(results, systems, loads, out / "latency_vs_load.png")
+    (out / "results.json").write_text(json.dumps({
+        "settings": asdict(s), "systems": [asdict(x) for x in systems], "knee": knee, "knee_curve": curve,
+        "results": {label: {name: [[asdict(r) for r in run] for run in runs] for name, runs in d.items()}
+                    for label, d in results.items()}}, indent=1))
+    text = f"{header}\n\n{table}\n"
+    (out / "table.md").write_text(text)
+    return text
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="vskipper bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--skipper", default=None,
+                    help="skipper spec under test (default: random:rate=0.5 over the second half of the layers)")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="fewer requests and one repeat: under 10 minutes on 2 CPUs")
+    ap.add_argument("--out", default="out/bench-serve")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.repeats, args.max_new_tokens = 24, 1, 48
+    from vskipper.models.checkpoint import read_config
+    from vskipper.skippers import parse_skipper
+
+    model = args.model_path
+    if model is None:
+        from vskipper.models.smollm2 import smollm2_dir
+
+        model = str(smollm2_dir())
+    n = read_config(model)["num_hidden_layers"]
+    layers = f"{n // 2}-{n - 1}"
+    spec = args.skipper or f"random:rate=0.5,layers={layers},seed=0"
+    parse_skipper(spec)  # fail now, not after the servers started
+    systems = [System("upstream", model), System("vskipper-rate0", model, f"random:rate=0,layers={layers}"),
+               System("vskipper", model, spec)]
+    text = run(systems, Settings(args.requests, args.max_new_tokens, args.repeats, args.seed), Path(args.out))
+    print(text)
+    print(f"plot: {Path(args.out) / 'latency_vs_load.png'}")
+
+
+if __name__ == "__main__":
+    main()
