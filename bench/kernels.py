@@ -71,8 +71,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from vskipper import kernel_configs, ops  # noqa: E402
-from vskipper.triton_kernels import (gather_rows, grouped_linear, grouped_swiglu,  # noqa: E402
-                                     masked_decode_attention, route_maps, scatter_combine)
 
 CUDA = torch.cuda.is_available() and not ARGS.smoke
 DEV = torch.device("cuda" if CUDA else "cpu")

@@ -5,9 +5,9 @@ I = MLP width, B = decode rows, nh / kvh = query / KV heads, d = head dim.
 
 Every op is a `torch.library.custom_op` in the `vskipper` namespace (torch.ops.vskipper.<op>) with
 a fake implementation, so it traces under torch.compile (opaque to it) and keeps fixed output
-shapes. The public names below are plain functions over them, so that fx passes can use them as
-call_function targets. Counts stay on the
-device. Which implementation runs is decided per call by `implementation(device)`:
+shapes; counts stay on the device. The public names below are plain functions over them, so that
+fx passes can use them as call_function targets. Which implementation runs is decided per call by
+`implementation(device)`:
 
     triton  the kernel in vskipper/triton_kernels/<op>.py: CUDA tensors (CPU ones too under
             TRITON_INTERPRET=1, which is how the tests run them)

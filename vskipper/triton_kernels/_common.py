@@ -55,6 +55,12 @@ def dot_flags(dtype: torch.dtype, kernel) -> tuple[bool, str]:
     return upcast, "ieee" if (dtype == torch.float32 or upcast) else "tf32"
 
 
+def stages_for(dtype: torch.dtype, stages: int) -> int:
+    """Pipeline stages for GEMM tiles of `dtype`: the configs are sized for 16-bit tiles (4 stages of
+    a 64 x 64 + 64 x 128 tile is 96 KB in bf16); f32 tiles are twice that, so at most 2 stages."""
+    return stages if dtype in (torch.float16, torch.bfloat16) else min(stages, 2)
+
+
 def expect(ok: bool, op: str, msg: str) -> None:
     if not ok:
         raise ValueError(f"vskipper.ops.{op}: {msg}")
@@ -79,7 +85,8 @@ def check_devices(op: str, **tensors: torch.Tensor | None) -> torch.device:
 def check_count(op: str, count: torch.Tensor, name: str = "count") -> None:
     """A device-side count: one int32/int64 element, shape [1] or []."""
     check_dtype(op, name, count, INDEXES)
-    expect(count.numel() == 1 and count.dim() <= 1, op, f"{name} must hold one element ([1] or []), got shape {list(count.shape)}")
+    expect(count.numel() == 1 and count.dim() <= 1, op,
+           f"{name} must hold one element ([1] or []), got shape {list(count.shape)}")
 
 
 def check_inner_contiguous(op: str, name: str, t: torch.Tensor) -> None:

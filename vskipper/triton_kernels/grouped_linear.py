@@ -12,7 +12,7 @@ from vskipper import kernel_configs
 from vskipper.triton_kernels import gather_rows
 from vskipper.triton_kernels._common import (
     FLOATS, INDEXES, check_count, check_devices, check_dim, check_dtype, check_inner_contiguous,
-    check_launchable, check_contiguous, dot_flags, expect, grouped_tile, tl, triton)
+    check_launchable, check_contiguous, dot_flags, expect, grouped_tile, stages_for, tl, triton)
 
 
 def default_config(bucket: int) -> dict:
@@ -99,7 +99,7 @@ def launch(x, rows, count, weight) -> torch.Tensor:
     _grouped_linear_kernel[grid](x, rows, count, weight, y, R, N, K, x.stride(0), weight.stride(0), y.stride(0),
                                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=K % bk == 0,
                                  UPCAST=upcast, PRECISION=precision, num_warps=cfg["num_warps"],
-                                 num_stages=cfg["num_stages"])
+                                 num_stages=stages_for(x.dtype, cfg["num_stages"]))
     return y
 
 

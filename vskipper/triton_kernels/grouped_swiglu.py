@@ -11,14 +11,13 @@ untouched. `residual` may be `out` itself.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from vskipper import kernel_configs
 from vskipper.triton_kernels import gather_rows, scatter_combine
 from vskipper.triton_kernels._common import (
     FLOATS, INDEXES, check_count, check_devices, check_dim, check_dtype, check_inner_contiguous,
-    check_launchable, check_contiguous, dot_flags, expect, grouped_tile, host_count, tl, triton)
+    check_launchable, check_contiguous, dot_flags, expect, grouped_tile, host_count, stages_for, tl, triton)
 
 
 def default_config(bucket: int) -> dict:
@@ -171,7 +170,7 @@ def launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> 
     _gate_up_kernel[grid](x, rows, count, w_gate, w_up, h, R, I, H, x.stride(0), w_gate.stride(0), w_up.stride(0),
                           h.stride(0), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=bk, GROUP_M=c["GROUP_M"],
                           EVEN_K=H % bk == 0, UPCAST=upcast, PRECISION=precision, num_warps=c["num_warps"],
-                          num_stages=c["num_stages"])
+                          num_stages=stages_for(x.dtype, c["num_stages"]))
     c = cfg["down"]
     bk = min(c["BLOCK_K"], max(16, triton.next_power_of_2(I)))
     grid = (triton.cdiv(R, c["BLOCK_M"]) * triton.cdiv(H, c["BLOCK_N"]),)
@@ -179,7 +178,7 @@ def launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> 
                                h.stride(0), w_down.stride(0), out.stride(0), residual.stride(0),
                                BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=bk, GROUP_M=c["GROUP_M"],
                                EVEN_K=I % bk == 0, UPCAST=upcast, PRECISION=precision, HAS_WEIGHT=weight is not None,
-                               num_warps=c["num_warps"], num_stages=c["num_stages"])
+                               num_warps=c["num_warps"], num_stages=stages_for(x.dtype, c["num_stages"]))
 
 
 def _swiglu(x, w_gate, w_up, w_down):

@@ -17,7 +17,7 @@ import torch
 from vskipper import kernel_configs
 from vskipper.triton_kernels._common import (
     FLOATS, INDEXES, check_devices, check_dim, check_dtype, check_inner_contiguous, check_launchable,
-    dot_flags, expect, tl, triton)
+    dot_flags, expect, stages_for, tl, triton)
 
 
 def default_config(bucket: int) -> dict:
@@ -123,7 +123,7 @@ def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_
         v_buffer.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=cfg["BLOCK_N"], UPCAST=upcast, PRECISION=precision, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=stages_for(q.dtype, cfg["num_stages"]))
     return o
 
 

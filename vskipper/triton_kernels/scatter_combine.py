@@ -61,7 +61,8 @@ def check(out, residual, y, rows, count, weight) -> None:
     if weight is not None:
         check_dim(op, "weight", weight, 1, "[T]")
         check_dtype(op, "weight", weight, FLOATS)
-        expect(weight.shape[0] == out.shape[0], op, f"weight has {weight.shape[0]} entries but out has {out.shape[0]} rows")
+        expect(weight.shape[0] == out.shape[0], op,
+               f"weight has {weight.shape[0]} entries but out has {out.shape[0]} rows")
     check_devices(op, out=out, residual=residual, y=y, rows=rows, count=count, weight=weight)
 
 
