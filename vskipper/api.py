@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vskipper import cost
 from vskipper.config import Config
 from vskipper.models import ModelAdapter, adapter_for
 from vskipper.passes import DispatchPass, RoutePass, VerifyPass, run_passes, trace_stack
@@ -42,7 +43,8 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
              must exist in the model (ValueError otherwise). It is moved to the model's device
              and dtype and attached as `model.vskipper.skipper`.
     config:  `vskipper.Config(execution="auto" | "dense" | "routed")`; every choice computes the
-             same function.
+             same function. "auto" uses the cost model measured by `vskipper calibrate` on this
+             device; with no calibration it runs dense-masked and warns once.
 
     A torch.fx pass traces the model's decoder stack with decoder layers as leaves and, at every
     routed layer, inserts input_layernorm -> router -> route decisions -> route maps -> route
@@ -69,8 +71,14 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
                            mlp_weights=adapter.mlp_weights, static_shapes=config.static_shapes,
                            check_sync=config.check_sync)
 
+    calibration = None
+    if config.execution == "auto":
+        intermediate = getattr(model.config, "intermediate_size", hidden)
+        calibration = cost.load(device, hidden, intermediate)
+        if calibration is None:
+            cost.warn_uncalibrated(device, hidden, intermediate)
     route = RoutePass(skipper, make_routed, state.counters, adapter.input_norm)
-    dispatch = DispatchPass(config)
+    dispatch = DispatchPass(config, calibration)
     gm, _ = run_passes(trace_stack(stack), [route, dispatch, VerifyPass(n_layers, skipper.layers)])
     state.rewritten, state.bodies = route.rewritten, dispatch.bodies
     model.vskipper = state

@@ -25,7 +25,7 @@ from torch import nn
 from vskipper import ops
 from vskipper.guard import NoHostSync
 
-BODIES = ("dense", "routed")
+BODIES = ("dense", "routed", "auto")  # auto: self.chooser (cost.AutoBody) picks dense or routed per step
 
 
 class RoutedLayer(nn.Module):
@@ -43,12 +43,16 @@ class RoutedLayer(nn.Module):
         self.static_shapes = static_shapes
         self.check_sync = check_sync
         self._mlp_weights = mlp_weights  # mlp -> (w_gate, w_up, w_down), for the static body
+        self.chooser = None  # cost.AutoBody when body == "auto"
 
     def forward(self, h, x, g, run, valid, maps, **ctx):
         # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) or None (dense)
         guard = self.check_sync and self.attention.is_decode(x, ctx)
         with NoHostSync(f"routed layer {self.index}") if guard else contextlib.nullcontext():
-            if self.body == "dense" or maps is None:
+            body = self.body
+            if body == "auto" and maps is not None:
+                body = self.chooser.choose(h.numel() // h.shape[-1], maps[2])
+            if body == "dense" or maps is None:
                 return self._dense(h, x, g, run, valid, ctx)
             static = h.is_cuda if self.static_shapes is None else self.static_shapes
             if static:

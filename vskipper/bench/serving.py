@@ -118,6 +118,9 @@ def plot(results: dict, systems: list[System], loads: list[tuple[str, float]], p
 
 
 def run(systems: list[System], s: Settings, out: Path) -> str:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
     ps = prompts()
     out.mkdir(parents=True, exist_ok=True)
     servers = {}

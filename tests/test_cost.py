@@ -1,0 +1,113 @@
+"""The cost model chooses how, never what: auto == dense == routed in decisions and tokens."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import vskipper
+from vskipper import cost
+from vskipper.calibrate import measure
+
+from conftest import assert_equal
+from tiny import flexidepth_for, record_routes, tiny_llama, transformed
+from test_transform import fast_decisions, greedy, left_pad, prompts
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
+    cost._warned.clear()
+
+
+def synthetic(hidden=40, intermediate=72, device="cpu") -> cost.Calibration:
+    """Routed is cheaper for T >= 4 unless nearly every row runs; dense wins at tiny T."""
+    ts, fs = (1, 2, 4, 8, 16), (0.0, 0.5, 1.0)
+    dense = tuple(tuple(1.0 * t for _ in fs) for t in ts)
+    routed = tuple(tuple((2.0 if t < 4 else 0.3 + 0.8 * f) * t for f in fs) for t in ts)
+    return cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, ts, fs, dense, routed)
+
+
+def test_interpolation_and_hysteresis():
+    cal = synthetic()
+    assert cal.predict("dense", 4, 0.25) == pytest.approx(4.0)
+    assert cal.predict("routed", 8, 0.25) == pytest.approx((0.3 + 0.2) * 8)
+    assert cal.predict("routed", 32, 0.0) == pytest.approx(0.3 * 16 * 2)  # linear beyond the grid
+    assert cal.choose(1, 0.5) == "dense" and cal.choose(8, 0.5) == "routed"
+    # near the crossover the current body stays unless the other is clearly cheaper
+    f_cross = (1.0 - 0.3) / 0.8
+    assert cal.choose(8, f_cross + 0.01, current="routed") == "routed"
+    assert cal.choose(8, f_cross + 0.01) == "dense"
+
+
+def test_dense_routed_auto_same_decisions_and_tokens():
+    base = tiny_llama()
+    sk = flexidepth_for(base, [1, 2, 3, 4, 5], gate="soft")
+    cost.save(synthetic())
+    seqs = prompts((5, 9, 2, 13, 7))
+    ids, mask = left_pad(seqs)
+    outs, decisions = {}, {}
+    for body in ("dense", "routed", "auto"):
+        m = transformed(base, sk, body)
+        calls = record_routes(m)
+        outs[body] = greedy(m, ids, mask)
+        decisions[body] = {l: [fast_decisions(calls, l, b, ids.shape[1] - len(p)) for b, p in enumerate(seqs)]
+                           for l in sk.layers}
+        if body == "auto":
+            chooser = m.model._vskipper_stack.routed.get_submodule("1").chooser
+            assert isinstance(chooser, cost.AutoBody)
+    for body in ("routed", "auto"):
+        assert_equal(outs[body], outs["dense"], f"{body} vs dense tokens")
+        for l in sk.layers:
+            for b in range(len(seqs)):
+                assert_equal(decisions[body][l][b], decisions["dense"][l][b], f"{body} routes, layer {l}, seq {b}")
+
+
+def test_auto_uses_both_bodies_as_the_model_predicts():
+    base = tiny_llama()
+    cost.save(synthetic())
+    m = transformed(base, vskipper.RandomSkip(0.5, [2]), "auto")
+    layer = m.model._vskipper_stack.routed.get_submodule("2")
+    seen = []
+    orig = layer.chooser.choose
+    layer.chooser.choose = lambda T, counts: seen.append((T, orig(T, counts))) or seen[-1][1]
+    with torch.no_grad():
+        m(torch.randint(1, 100, (1, 1)))  # T = 1: dense
+        m(torch.randint(1, 100, (4, 8)))  # T = 32: routed
+    assert [b for _, b in seen] == ["dense", "routed"]
+
+
+def test_no_calibration_runs_dense_with_one_warning():
+    base = tiny_llama()
+    with pytest.warns(UserWarning, match=r"no cost calibration for .*runs the dense-masked body.*vskipper calibrate --shape 40,72"):
+        m = transformed(base, vskipper.RandomSkip(0.5, [1, 2]), "auto")
+    assert set(m.vskipper.bodies.values()) == {"dense"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        transformed(base, vskipper.RandomSkip(0.5, [1, 2]), "auto")  # warned once per device
+
+
+def test_stale_calibration_is_ignored_with_a_warning():
+    path = cost.save(synthetic())
+    entries = json.loads(path.read_text())
+    entries[0]["versions"]["torch"] = "0.0.1"
+    path.write_text(json.dumps(entries))
+    with pytest.warns(UserWarning, match="ignoring a stale cost calibration"):
+        assert cost.load("cpu", 40, 72) is None
+
+
+def test_nearest_shape_is_used():
+    cost.save(synthetic(40, 72))
+    cost.save(synthetic(576, 1536))
+    assert cost.load("cpu", 512, 1400).hidden == 576
+    assert cost.load("cpu", 48, 64).hidden == 40
+
+
+def test_measure_a_tiny_grid():
+    cal, _ = measure(32, 48, 4, 2, ts=(1, 8), fs=(0.0, 1.0), repeats=2, progress=False)
+    assert len(cal.dense) == 2 and len(cal.dense[0]) == 2 and all(t > 0 for row in cal.routed for t in row)
+    assert cost.load("cpu", 32, 48) is None  # measure alone caches nothing
+    cost.save(cal)
+    assert cost.load("cpu", 32, 48) == cal

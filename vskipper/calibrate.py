@@ -1,0 +1,152 @@
+"""`vskipper calibrate`: measure the dense-masked and routed bodies of one routed layer on this
+device, over a grid of batch sizes and RUN fractions, and cache the table (see cost.py).
+
+The layer is a transformers Llama decoder layer of the given shape with a FlexiDepth adapter,
+timed at a decode step (one new token per sequence over a `context`-token KV cache), the two
+bodies interleaved, the median of `repeats` runs kept."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from vskipper import cost, ops
+
+
+class LayerBench:
+    """One routed decoder layer of a given shape, ready to time either body at (T, f)."""
+
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, device, dtype=torch.float32,
+                 context: int = 128, seed: int = 0) -> None:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        from vskipper.models.hf import HFAttention, mlp_weights
+        from vskipper.routed_layer import RoutedLayer
+        from vskipper.skippers.flexidepth import FlexiDepthAdapter
+
+        torch.manual_seed(seed)
+        self.cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, num_hidden_layers=1, vocab_size=8)
+        self.cfg._attn_implementation = "sdpa"
+        self.layer = LlamaDecoderLayer(self.cfg, 0).to(device, dtype).eval()
+        adapter = FlexiDepthAdapter(hidden, max(1, intermediate // 16)).to(device, dtype)
+        self.body = RoutedLayer(0, HFAttention(self.layer.self_attn), self.layer.post_attention_layernorm,
+                                self.layer.mlp, adapter, "soft", mlp_weights=mlp_weights)
+        self.rope = LlamaRotaryEmbedding(self.cfg).to(device)
+        self.device, self.dtype, self.context = device, dtype, context
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def inputs(self, T: int, f: float):
+        from transformers.cache_utils import DynamicCache
+
+        H, d = self.cfg.hidden_size, self.cfg.hidden_size // self.cfg.num_attention_heads
+        cache = DynamicCache(config=self.cfg)
+        kv = torch.randn(T, self.cfg.num_key_value_heads, self.context, d, device=self.device, dtype=self.dtype)
+        cache.update(kv, kv.clone(), 0)
+        h = torch.randn(T, 1, H, device=self.device, dtype=self.dtype)
+        n_run = round(f * T)
+        run = torch.zeros(T, dtype=torch.bool)
+        run[torch.randperm(T, generator=self.gen)[:n_run]] = True
+        run = run.to(self.device).view(T, 1)
+        valid = torch.ones_like(run)
+        g = torch.where(run, 0.75, 0.25).to(self.dtype)
+        pos = torch.full((T, 1), self.context, device=self.device)
+        ctx = dict(attention_mask=None, position_embeddings=self.rope(h, pos), position_ids=pos,
+                   past_key_values=cache, use_cache=True)
+        x = self.layer.input_layernorm(h)
+        return h, x, g, run, valid, ops.route_maps(run, valid), ctx
+
+    @torch.no_grad()
+    def time(self, body: str, args, sync) -> float:
+        h, x, g, run, valid, maps, ctx = args
+        self.body.body = body
+        sync()
+        t0 = time.perf_counter()
+        self.body(h, x, g, run, valid, maps, **ctx)
+        sync()
+        ctx["past_key_values"].crop(-1)  # drop the token this step appended
+        return (time.perf_counter() - t0) * 1e3
+
+
+def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", ts=cost.GRID_T,
+            fs=cost.GRID_F, repeats: int = 7, context: int = 128, progress=True,
+            bodies=("dense", "routed")) -> tuple[cost.Calibration, LayerBench]:
+    device = torch.device(device)
+    bench = LayerBench(hidden, intermediate, heads, kv_heads, device, context=context)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tables = {b: [] for b in bodies}
+    t_start = time.perf_counter()
+    for i, T in enumerate(ts):
+        rows = {b: [] for b in bodies}
+        for f in fs:
+            args = bench.inputs(T, f)
+            for b in bodies:
+                bench.time(b, args, sync)  # warm-up
+            samples = {b: [] for b in bodies}
+            for r in range(repeats):
+                for b in (bodies if r % 2 == 0 else bodies[::-1]):  # interleaved
+                    samples[b].append(bench.time(b, args, sync))
+            for b in bodies:
+                rows[b].append(statistics.median(samples[b]))
+        for b in bodies:
+            tables[b].append(tuple(rows[b]))
+        if progress:
+            done = (i + 1) / len(ts)
+            el = time.perf_counter() - t_start
+            print(f"calibrate: T={T:<4} dense {min(rows['dense']):.2f}-{max(rows['dense']):.2f} ms, routed "
+                  f"{min(rows['routed']):.2f}-{max(rows['routed']):.2f} ms  [{done:.0%}, ETA {el / done - el:.0f} s]",
+                  file=sys.stderr, flush=True)
+    cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs),
+                           tuple(tables["dense"]), tuple(tables["routed"]))
+    return cal, bench
+
+
+def shape_of(model_path: str) -> tuple[int, int, int, int]:
+    from vskipper.models.checkpoint import read_config
+
+    c = read_config(model_path)
+    return c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="vskipper calibrate", description=__doc__)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--model", help="a model directory: its hidden/intermediate/heads")
+    g.add_argument("--shape", help="hidden,intermediate[,heads,kv_heads]")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--export", help="also write the calibration to this directory (to ship it)")
+    args = ap.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        ap.error(f"--device {device!r}: expected cpu or cuda")
+    if args.shape:
+        try:
+            dims = [int(v) for v in args.shape.split(",")]
+        except ValueError:
+            ap.error(f"--shape {args.shape!r}: expected integers hidden,intermediate[,heads,kv_heads]")
+        if len(dims) == 2:
+            dims += [max(1, dims[0] // 64)] * 2
+        if len(dims) != 4 or min(dims) <= 0 or dims[0] % dims[2] or dims[2] % dims[3]:
+            ap.error(f"--shape {args.shape!r}: expected positive hidden,intermediate[,heads,kv_heads] with heads "
+                     f"dividing hidden and kv_heads dividing heads")
+    elif args.model:
+        dims = list(shape_of(args.model))
+    else:
+        from vskipper.models.smollm2 import smollm2_dir
+
+        dims = list(shape_of(str(smollm2_dir())))
+    print(f"calibrate: {cost.device_name(device)}, hidden={dims[0]} intermediate={dims[1]} heads={dims[2]}/{dims[3]}",
+          file=sys.stderr)
+    cal, _ = measure(*dims, device=device, repeats=args.repeats)
+    print(f"calibration cached in {cost.save(cal)}")
+    if args.export:
+        print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")
+
+
+if __name__ == "__main__":
+    main()

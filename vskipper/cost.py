@@ -1,0 +1,188 @@
+"""Profitability: per routed layer and batch, the cheaper of the dense-masked and routed bodies.
+
+Both bodies compute the same function (the one principle): the cost model chooses how, never
+what. It is a table of times measured on this device by `vskipper calibrate` (a decode step of
+one routed layer, dense and routed, over a grid of batch sizes T and RUN fractions f),
+interpolated bilinearly in (log2 T, f). Calibrations are cached per device name, shape and
+torch / triton / vskipper versions; a mismatch is ignored with a warning, never trusted.
+
+Where the choice is made: in `AutoBody.choose`, on the host, once per routed layer and step,
+from T (the row count, a shape) and the layer's RUN fraction:
+  - on CPU the route counts are read directly (no device to wait for);
+  - on an accelerator the fraction is an EMA of earlier steps' counts, copied to pinned host
+    memory without blocking and read one step later: the choice never waits for the device.
+  Hysteresis: the body changes only when the other is predicted cheaper by more than `margin`.
+  Inside a captured CUDA graph the Python choice runs once, at capture: the body is fixed per
+  captured batch size (from the EMA at capture time, or the skipper's expected rate).
+No calibration for this device: dense-masked everywhere, with one warning naming the command.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import platform
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+GRID_T = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+GRID_F = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)  # H100 and H200 are both sm90: key on the name
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {model}, {torch.get_num_threads()} threads"
+
+
+def versions() -> dict[str, str]:
+    import vskipper
+
+    out = {"torch": torch.__version__, "vskipper": vskipper.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = "none"
+    return out
+
+
+def cache_dir() -> Path:
+    from vskipper.models.smollm2 import cache_root
+
+    return cache_root() / "cost"
+
+
+SHIPPED_DIR = Path(__file__).parent / "data" / "cost"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str
+    versions: dict
+    hidden: int
+    intermediate: int
+    ts: tuple
+    fs: tuple
+    dense: tuple  # ms, [len(ts)][len(fs)]
+    routed: tuple
+
+    def predict(self, body: str, T: int, f: float) -> float:
+        """Interpolated time (ms) of `body` for T rows with RUN fraction f."""
+        table = self.dense if body == "dense" else self.routed
+        x = math.log2(max(T, 1))
+        xs = [math.log2(t) for t in self.ts]
+        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+        j = min(max(bisect.bisect_right(self.fs, f) - 1, 0), len(self.fs) - 2)
+        u = min(max((x - xs[i]) / (xs[i + 1] - xs[i]), 0.0), 1.0)
+        v = min(max((f - self.fs[j]) / (self.fs[j + 1] - self.fs[j]), 0.0), 1.0)
+        a, b = table[i][j] * (1 - v) + table[i][j + 1] * v, table[i + 1][j] * (1 - v) + table[i + 1][j + 1] * v
+        t = a * (1 - u) + b * u
+        return t * (T / self.ts[-1]) if T > self.ts[-1] else t  # beyond the grid: linear in T
+
+    def choose(self, T: int, f: float, current: str | None = None, margin: float = 0.03) -> str:
+        d, r = self.predict("dense", T, f), self.predict("routed", T, f)
+        best = "routed" if r < d else "dense"
+        if current in ("dense", "routed") and best != current:
+            cur, other = (d, r) if current == "dense" else (r, d)
+            if other > cur * (1 - margin):
+                return current
+        return best
+
+    def key(self) -> str:
+        return f"{self.device}|{self.hidden}x{self.intermediate}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Calibration":
+        return cls(d["device"], d["versions"], d["hidden"], d["intermediate"], tuple(d["ts"]), tuple(d["fs"]),
+                   tuple(map(tuple, d["dense"])), tuple(map(tuple, d["routed"])))
+
+
+def _file_name(device: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in device) + ".json"
+
+
+def save(cal: Calibration, directory: Path | None = None) -> Path:
+    directory = directory or cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / _file_name(cal.device)
+    entries = json.loads(path.read_text()) if path.is_file() else []
+    entries = [e for e in entries if (e["hidden"], e["intermediate"]) != (cal.hidden, cal.intermediate)]
+    path.write_text(json.dumps(entries + [cal.to_json()], indent=1))
+    return path
+
+
+def load(device: torch.device | str, hidden: int, intermediate: int) -> Calibration | None:
+    """The calibration for this device and versions, nearest shape first; None if there is none."""
+    name, ver = device_name(device), versions()
+    found = []
+    for directory in (cache_dir(), SHIPPED_DIR):
+        path = directory / _file_name(name)
+        if not path.is_file():
+            continue
+        for e in json.loads(path.read_text()):
+            if e["device"] != name:
+                continue
+            if e["versions"] != ver:
+                warnings.warn(f"vskipper: ignoring a stale cost calibration in {path} (made with {e['versions']}, "
+                              f"running {ver}); run `vskipper calibrate` again", stacklevel=2)
+                continue
+            found.append(Calibration.from_json(e))
+        if found:
+            break
+    if not found:
+        return None
+    return min(found, key=lambda c: abs(math.log(c.hidden * c.intermediate / (hidden * intermediate))))
+
+
+class AutoBody:
+    """The per-layer chooser of Config(execution="auto") (see the module docstring)."""
+
+    def __init__(self, calibration: Calibration, ema: float = 0.5, margin: float = 0.03) -> None:
+        self.cal, self.alpha, self.margin = calibration, ema, margin
+        self.fraction: float | None = None
+        self.current: str | None = None
+        self._host = None  # pinned copy of the last counts (accelerators)
+
+    def choose(self, T: int, counts: torch.Tensor) -> str:
+        if counts.device.type == "cpu":
+            f = float(counts[0]) / max(T, 1)
+        else:
+            if self._host is not None:
+                seen = float(self._host[0]) / max(T, 1)
+                self.fraction = seen if self.fraction is None else self.alpha * seen + (1 - self.alpha) * self.fraction
+            else:
+                self._host = torch.zeros(2, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            f = 0.5 if self.fraction is None else self.fraction
+        self.current = self.cal.choose(T, f, self.current, self.margin)
+        return self.current
+
+
+_warned: set[str] = set()
+
+
+def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int) -> None:
+    name = device_name(device)
+    if name in _warned:
+        return
+    _warned.add(name)
+    warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}); "
+                  f"execution='auto' runs the dense-masked body. Measure this device with "
+                  f"`vskipper calibrate --shape {hidden},{intermediate}` (or --model PATH).", stacklevel=3)
