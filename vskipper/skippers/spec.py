@@ -19,6 +19,9 @@ KINDS = {
 REQUIRED = {"random": ("rate", "layers"), "static": ("layers",), "flexidepth": ("path",)}
 
 
+MAX_LAYER = 4096  # no model has more layers; bounds what a spec can make us allocate
+
+
 def parse_layers(text: str, spec: str = "") -> list[int]:
     out: list[int] = []
     for item in text.split(","):
@@ -27,7 +30,7 @@ def parse_layers(text: str, spec: str = "") -> list[int]:
         try:
             if sep:
                 a, b = int(lo), int(hi)
-                if b < a:
+                if b < a or b >= MAX_LAYER:
                     raise ValueError
                 out.extend(range(a, b + 1))
             else:
@@ -35,8 +38,10 @@ def parse_layers(text: str, spec: str = "") -> list[int]:
         except ValueError:
             raise ValueError(
                 f"skipper spec {spec!r}: layers item {item!r} is not an index or an inclusive range a-b "
-                f"with a <= b"
+                f"with a <= b < {MAX_LAYER}"
             ) from None
+        if out and out[-1] >= MAX_LAYER:
+            raise ValueError(f"skipper spec {spec!r}: layer index in {item!r} is not below {MAX_LAYER}")
     return out
 
 
