@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--stats-interval", type=int, help="log skip statistics every N decode steps")
     i = sub.add_parser("inspect", help="check a skip-aware checkpoint directory")
     i.add_argument("path")
+    from vskipper.training.cli import add_arguments as add_train_arguments
+
+    add_train_arguments(sub.add_parser("train", help="train a FlexiDepth skipper over a frozen base model"))
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         cmd = serve_command(args, rest)
@@ -97,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(cmd[0], cmd, args._env)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "train":
+        from vskipper.training.cli import main as train_main
+
+        return train_main(args)
     try:
         inspect_command(args)
     except ValueError as e:

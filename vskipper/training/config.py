@@ -1,0 +1,103 @@
+"""The one typed object that configures a training run."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from vskipper.skippers.base import check_layers
+
+LOSSES = ("kl", "lm")
+INITS = ("warm", "random")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of `vskipper train` (docs/training.md explains each choice).
+
+    layers          routed layer indices
+    gate            "soft" (FlexiDepth-Llama: g scales the MLP, 1 - g the adapter) or "hard"
+    loss            "kl": KL(base || skipper) over the base's top-k + the rest of the vocabulary;
+                    "lm": cross-entropy on the next token of the self-distilled text
+    penalty         weight of the skip penalty mean_t((1/L) sum_l g_lt)^2 (FlexiDepth's squared
+                    per-token gate sum, divided by L so the weight does not depend on L); with
+                    target_skip, the starting weight
+    target_skip     if set, the penalty weight is a multiplier adapted every step towards this
+                    skip ratio: w <- w * exp(target_rate * (target - skip) / target), skip being the
+                    batch's share of PROJECT decisions over routed layers and real tokens
+    penalty_warmup  steps over which the penalty weight ramps linearly from 0
+    straight_through add the straight-through term (gradient R - P through the hard decision)
+    init            "warm": routers start with g ~ sigmoid(init_logit) (0.98) on (almost) every token,
+                    adapters at zero (the skipper starts as the base model); "random": PyTorch's
+                    default init
+    """
+
+    layers: tuple[int, ...]
+    gate: str = "soft"
+    loss: str = "kl"
+    penalty: float = 0.1
+    penalty_warmup: int = 0
+    target_skip: float | None = None
+    target_rate: float = 0.02
+    straight_through: bool = True
+    init: str = "warm"
+    init_logit: float = 4.0
+    topk: int = 32
+    steps: int = 600
+    batch_size: int = 4
+    lr: float = 1e-3
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    router_reduction_factor: int = 16
+    proj_reduction_factor: int = 16
+    save_every: int = 50
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", check_layers("TrainConfig", self.layers))
+        if self.gate not in ("soft", "hard"):
+            raise ValueError(f"TrainConfig: gate={self.gate!r} must be 'soft' or 'hard'")
+        if self.loss not in LOSSES:
+            raise ValueError(f"TrainConfig: loss={self.loss!r} must be one of {list(LOSSES)}")
+        if self.init not in INITS:
+            raise ValueError(f"TrainConfig: init={self.init!r} must be one of {list(INITS)}")
+        for name in ("penalty", "lr", "weight_decay", "grad_clip", "min_lr_ratio", "init_logit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"TrainConfig: {name}={v!r} must be a finite number >= 0")
+        if self.target_skip is not None and (isinstance(self.target_skip, bool) or not isinstance(
+                self.target_skip, (int, float)) or not 0 < self.target_skip < 1):
+            raise ValueError(f"TrainConfig: target_skip={self.target_skip!r} must be a number in (0, 1)")
+        if self.target_skip is not None and self.penalty == 0:
+            raise ValueError("TrainConfig: target_skip needs a starting penalty > 0 (the weight is multiplied)")
+        if isinstance(self.target_rate, bool) or not isinstance(self.target_rate, (int, float)) \
+                or not 0 < self.target_rate <= 1:
+            raise ValueError(f"TrainConfig: target_rate={self.target_rate!r} must be a number in (0, 1]")
+        if self.lr == 0:
+            raise ValueError("TrainConfig: lr=0 would train nothing; give a positive learning rate")
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"TrainConfig: min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        for name in ("topk", "steps", "batch_size", "router_reduction_factor", "proj_reduction_factor",
+                     "save_every", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"TrainConfig: {name}={v!r} must be a positive integer")
+        for name in ("penalty_warmup", "warmup", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainConfig: {name}={v!r} must be an integer >= 0")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if k == "layers" else v for k, v in d.items() if k in known})
+
+    # fields a resumed run may change without changing what the earlier steps computed
+    RESUMABLE_CHANGES = ("steps", "save_every", "log_every")

@@ -1,0 +1,138 @@
+"""A differentiable, batched forward of a skip-aware model: the training twin of vskipper/reference.py.
+
+Full sequence, no cache, right padding (sequence b holds its tokens at positions 0..len_b-1, so
+plain causal attention never lets a real token see a padding row). Legend: B = sequences,
+S = positions, H = hidden, L = routed layers, V = vocabulary.
+
+Routed layer l, x = input_layernorm(h) (the reference semantics, ARCHITECTURE.md):
+    g   = router_l(x)                                  # [B, S]; non-finite -> RUN with g = 1
+    run = g > threshold
+    R   = h1 + g * mlp(post_ln(h1)),  h1 = h + attn(x) # soft gate (hard: no g)
+    P   = h + (1 - g) * adapter(post_ln(h))            # soft gate (hard: no 1 - g)
+    out = where(run, R, P)
+With gradients on, a straight-through term is added:
+    out = where(run, R, P) + (g - sg(g)) * (R - P)     # sg = stop-gradient
+Its value is exactly zero (g - g == 0 in IEEE arithmetic), so the forward is the inference
+forward bit for bit and sees the same RUN/PROJECT decisions; its gradient d out / d g = R - P
+tells the router what switching the token's route would change. On top of it the soft gate
+keeps its own gradient through the g / (1 - g) scaling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vskipper.skippers.base import Skipper, sanitize_gate
+
+
+@dataclass
+class SkipOutput:
+    hidden: torch.Tensor  # [B, S, H] after the last decoder layer, before the final norm
+    gates: dict  # {layer: g [B, S]} (sanitized: non-finite -> 1), differentiable
+    run: dict  # {layer: run [B, S] bool}
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_tables(model: nn.Module, S: int, device, dtype):
+    """cos, sin [S, head_dim] for positions 0..S-1 (as vskipper.reference)."""
+    rot = model.model.rotary_emb
+    pos = torch.arange(S, device=device, dtype=torch.float32)
+    freqs = pos[:, None] * rot.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * rot.attention_scaling).to(dtype), (emb.sin() * rot.attention_scaling).to(dtype)
+
+
+def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of a transformers Llama/Qwen3 attention module. x [B, S, H] -> [B, S, H]."""
+    B, S, _ = x.shape
+    d = attn.head_dim
+    q = attn.q_proj(x).view(B, S, -1, d)  # [B, S, nh, d]
+    k = attn.k_proj(x).view(B, S, -1, d)  # [B, S, kvh, d]
+    v = attn.v_proj(x).view(B, S, -1, d)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    c, s = cos[None, :, None], sin[None, :, None]
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+
+
+def routed_layer(layer: nn.Module, skipper: Skipper, index: int, h: torch.Tensor, cos, sin,
+                 positions: torch.Tensor, ids: torch.Tensor | None, straight_through: bool):
+    """One routed decoder layer. h [B, S, H] -> (out [B, S, H], g [B, S], run [B, S])."""
+    x = layer.input_layernorm(h)
+    g, run, _ = sanitize_gate(skipper.router(index)(x, positions, ids), skipper.threshold)  # [B, S]
+    h1 = h + attention(layer.self_attn, x, cos, sin)  # K/V of every token feed every query
+    m = layer.mlp(layer.post_attention_layernorm(h1))
+    adapter = skipper.adapter(index)
+    gm = g[..., None].to(h.dtype)
+    if skipper.gate == "soft":
+        R = h1 + gm * m
+        P = h if adapter is None else h + (1 - gm) * adapter(layer.post_attention_layernorm(h))
+    else:
+        R = h1 + m
+        P = h if adapter is None else h + adapter(layer.post_attention_layernorm(h))
+    out = torch.where(run[..., None], R, P)
+    if straight_through and torch.is_grad_enabled() and g.requires_grad:
+        out = out + (gm - gm.detach()) * (R - P)  # == 0 in value; d out / d g = R - P
+    return out, g, run
+
+
+def skip_forward(model: nn.Module, skipper: Skipper, input_ids: torch.Tensor, *, start_hidden=None,
+                 start_layer: int = 0, straight_through: bool = True) -> SkipOutput:
+    """The skip-aware decoder stack of `model` (an untransformed transformers Llama/Qwen3).
+
+    input_ids [B, S] (right padded); start_hidden [B, S, H]: the input of layer `start_layer`
+    (e.g. cached, when the layers before it are frozen and unrouted); otherwise the embeddings.
+    Returns the last hidden state and, per routed layer, gates and decisions."""
+    inner = model.model
+    B, S = input_ids.shape
+    if start_hidden is None:
+        h, start_layer = inner.embed_tokens(input_ids), 0
+    else:
+        h = start_hidden
+    if any(l < start_layer for l in skipper.layers):
+        raise ValueError(f"skip_forward: start_layer={start_layer} is past routed layer {min(skipper.layers)}")
+    cos, sin = rope_tables(model, S, h.device, h.dtype)
+    positions = torch.arange(S, device=h.device).expand(B, S)
+    routed = set(skipper.layers)
+    gates, runs = {}, {}
+    for i in range(start_layer, len(inner.layers)):
+        layer = inner.layers[i]
+        if i in routed:
+            h, gates[i], runs[i] = routed_layer(layer, skipper, i, h, cos, sin, positions, input_ids,
+                                                straight_through)
+        else:
+            x = layer.input_layernorm(h)
+            h = h + attention(layer.self_attn, x, cos, sin)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return SkipOutput(h, gates, runs)
+
+
+def logits_of(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head. hidden [..., H] -> logits [..., V]."""
+    return model.lm_head(model.model.norm(hidden))
+
+
+@torch.no_grad()
+def greedy(model: nn.Module, skipper: Skipper, input_ids: torch.Tensor, max_new_tokens: int):
+    """Greedy decoding by full recompute with the training forward (eval semantics), one sequence.
+    input_ids [S] -> (tokens [S + n], decisions {layer: run [S + n - 1]} of the last forward)."""
+    ids = input_ids.reshape(1, -1)
+    out = None
+    for _ in range(max_new_tokens):
+        out = skip_forward(model, skipper, ids, straight_through=False)
+        nxt = logits_of(model, out.hidden[:, -1]).argmax(-1)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+    out = skip_forward(model, skipper, ids[:, :-1], straight_through=False)
+    return ids[0], {l: r[0] for l, r in out.run.items()}

@@ -1,0 +1,102 @@
+"""`vskipper train` end to end: base model -> self-distilled data -> trained skipper -> checkpoint.
+
+Output directory:
+    config.json, model.safetensors, tokenizer   a skip-aware checkpoint (save_checkpoint), loadable
+                                                by vskipper.from_pretrained and the SGLang plugin
+    skipper/                                    the skipper alone (config.json + skipper.safetensors),
+                                                what ships in vskipper/data/skippers/
+    state/                                      the latest training state, for --resume
+    train_log.jsonl                             one record per step
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vskipper.training.config import TrainConfig
+from vskipper.training.loop import Trainer, make_skipper, warm_start
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_new_tokens: int = 128,
+          full_checkpoint: bool = True, log=_log) -> Trainer:
+    """Train a FlexiDepth skipper for the model in `model_dir` (default: the bundled
+    SmolLM2-135M-Instruct) on the training split of the shipped prompts, and write `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vskipper.data import load
+    from vskipper.models.smollm2 import cache_root, smollm2_dir
+    from vskipper.training.data import cached_targets, model_tag, self_distillation, split_prompts
+    from vskipper.training.shipped import TOKENIZER_FILES, write_skipper_dir
+
+    out = Path(out_dir)
+    if resume and not (out / "state").is_dir():
+        raise ValueError(f"--resume: {str(out)!r} has no saved training state (expected {out / 'state'})")
+    if not resume and (out / "state").is_dir():
+        raise ValueError(f"{str(out)!r} already holds a training run; pass --resume to continue it, "
+                         f"or choose another --out")
+    model_dir = Path(model_dir) if model_dir is not None else smollm2_dir()
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    skipper = make_skipper(model, cfg)  # ValueError for a layer the model does not have
+    train_set, heldout = split_prompts(load("prompts"))
+    log(f"prompts: {len(train_set)} for training, {len(heldout)} held out (ids with number % 5 == 0)")
+    cache = cache_root() / "training"
+    tag = model_tag(model_dir)
+    rows = self_distillation(model, tok, train_set, max_new_tokens, cache, tag, log=log)
+    data = cached_targets(model, [r["ids"] for r in rows], min(cfg.layers), cfg.topk, cache, tag, log=log)
+    log(f"data: {len(data)} sequences, {data.ids.numel()} tokens "
+        f"({sum(len(r['ids']) - r['n_prompt'] for r in rows)} generated)")
+    if cfg.init == "warm":
+        share = warm_start(skipper, model, data, cfg.seed, logit=cfg.init_logit)
+        log(f"warm start: {100 * sum(share.values()) / len(share):.1f}% of tokens start at RUN")
+    trainer = Trainer(model, skipper, data, cfg)
+    if resume:
+        trainer.load_state(out / "state")
+        log(f"resumed at step {trainer.step}")
+    out.mkdir(parents=True, exist_ok=True)
+    step_log = out / "train_log.jsonl"
+    written = {"n": len(trainer.history)}
+
+    def save(t: Trainer) -> None:
+        t.save_state(out / "state")
+        with step_log.open("a") as f:
+            for rec in t.history[written["n"]:]:
+                f.write(json.dumps(rec) + "\n")
+        written["n"] = len(t.history)
+
+    t0 = time.perf_counter()
+    trainer.run(log=log, on_save=save)
+    if not trainer.history or trainer.step != cfg.steps:
+        save(trainer)
+    log(f"trained to step {trainer.step} in {time.perf_counter() - t0:.0f} s")
+    last = trainer.history[-min(len(trainer.history), 20):]
+    summary = {
+        "steps": trainer.step,
+        "final_loss": sum(h["loss"] for h in last) / max(1, len(last)),
+        f"final_{cfg.loss}": sum(h["main"] for h in last) / max(1, len(last)),
+        "final_train_skip_ratio": sum(h["skip"] for h in last) / max(1, len(last)),
+        "train_tokens": data.ids.numel(),
+        "train_sequences": len(data),
+        "base_model": model_dir.name,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    write_skipper_dir(out / "skipper", skipper, model.config, vskipper_training={**cfg.to_dict(), **summary})
+    if full_checkpoint:
+        from vskipper.models.hf_loader import save_checkpoint
+
+        save_checkpoint(out, model, skipper)
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, out / name)
+    log(f"wrote {out} (skipper alone in {out / 'skipper'})")
+    return trainer
