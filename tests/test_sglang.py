@@ -61,3 +61,14 @@ def test_stats_are_logged_every_n_decode_steps(tmp_path, capfd):
         greedy(eng, prompt_set()[0][:2], 9)
     err = capfd.readouterr().err
     assert "vskipper: after 4 decode steps: skip ratio 1.000" in err and "per layer 2:1.00" in err, err[-2000:]
+
+
+def test_graph_safe_body_has_no_host_sync_at_decode(tmp_path):
+    """VSKIPPER_STATIC_SHAPES=1: the body SGLang would capture in a CUDA graph (fixed shapes,
+    device-side counts, masked paged decode attention). VSKIPPER_CHECK_SYNC=1 makes any host sync
+    inside a routed layer during decode fail the request."""
+    base = tiny_llama()
+    sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft")
+    path = save_checkpoint(tmp_path / "ckpt", base, sk)
+    with engine(path, VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES="1", VSKIPPER_CHECK_SYNC="1") as eng:
+        check_against_reference(eng, base, sk)

@@ -136,3 +136,29 @@ def test_state_dict_keys_of_the_base_model_are_unchanged():
     keys = set(m.state_dict())
     assert set(base.state_dict()) <= keys
     assert keys - set(base.state_dict()) == set()  # RandomSkip has no weights; counters are not persistent
+
+
+# --- the static (graph-safe) routed body: fixed shapes, device-side counts, no host sync ----
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_body_matches_reference_without_host_sync(family):
+    make, gate = FAMILIES[family]
+    base = make()
+    sk = flexidepth_for(base, [1, 3, 4], gate=gate)
+    seqs = prompts((6, 3, 9))
+    ids, mask = left_pad(seqs)
+    m = transformed(base, sk, "routed", static_shapes=True, check_sync=True)  # decode steps are guarded
+    calls = record_routes(m)
+    out = greedy(m, ids, mask, 12)
+    for b, p in enumerate(seqs):
+        ref_tokens, ref_dec = reference_generate(base, sk, p, 12)
+        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
+        for l in sk.layers:
+            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+
+
+def test_host_sync_guard_catches_the_dynamic_body():
+    from vskipper.guard import HostSyncError
+
+    m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [2]), "routed", static_shapes=False, check_sync=True)
+    with pytest.raises(HostSyncError, match="host sync .* in routed layer 2"):
+        greedy(m, prompts((4,))[0][None], None, 3)

@@ -60,8 +60,9 @@ def flexidepth_for(model, layers, gate: str, seed: int = 1, head_scale: float = 
     return sk
 
 
-def transformed(model, skipper, execution: str):
-    return vskipper.transform(copy.deepcopy(model), copy.deepcopy(skipper), vskipper.Config(execution=execution))
+def transformed(model, skipper, execution: str, **config):
+    return vskipper.transform(copy.deepcopy(model), copy.deepcopy(skipper),
+                              vskipper.Config(execution=execution, **config))
 
 
 def record_routes(model):

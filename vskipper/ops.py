@@ -17,8 +17,10 @@ fx passes can use them as call_function targets. Which implementation runs is de
 
 Default: triton for CUDA tensors, torch for everything else. VSKIPPER_IMPL=torch|triton forces one.
 """
+import contextlib
 import importlib
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -28,7 +30,7 @@ IMPLS = ("torch", "triton")
 
 __all__ = [
     "route_maps", "gather_rows", "scatter_combine_", "grouped_linear", "grouped_swiglu_",
-    "masked_decode_attention", "masked_decode_attention_dynamic", "implementation",
+    "masked_decode_attention", "masked_decode_attention_dynamic", "implementation", "fixed_shapes",
 ]
 
 
@@ -47,11 +49,26 @@ def _kernels(name: str):
     return importlib.import_module(f"vskipper.triton_kernels.{name}")
 
 
+_fixed = threading.local()
+
+
+@contextlib.contextmanager
+def fixed_shapes():
+    """Within this context the torch path on CPU also runs the fixed-shape references (no host
+    sync): the static routed body uses it, so that its graph safety can be tested on CPU."""
+    prev = getattr(_fixed, "on", False)
+    _fixed.on = True
+    try:
+        yield
+    finally:
+        _fixed.on = prev
+
+
 def _call(name: str, device: torch.device, *args):
     mod = _kernels(name)
     if implementation(device) == "triton":
         return mod.launch(*args)
-    if device.type == "cpu":
+    if device.type == "cpu" and not getattr(_fixed, "on", False):
         return getattr(mod, "reference_dynamic", mod.reference)(*args)
     return mod.reference(*args)
 

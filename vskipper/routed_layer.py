@@ -96,14 +96,15 @@ class RoutedLayer(nn.Module):
         H = h.shape[-1]
         hf = h.reshape(-1, H)  # [T, H]
         gf = g.reshape(-1).to(h.dtype)  # [T]
-        a = self.attention.masked_rows(x, (run & valid).reshape(-1), ctx).reshape(-1, H)  # [T, H]
-        h1 = hf + a
-        out = hf.clone()
-        ops.grouped_swiglu_(out, h1, self.post_norm(h1), run_rows, counts[0:1], *self._mlp_weights(self.mlp),
-                            gf if self.soft else None)
-        if self.adapter is not None:
-            ops.grouped_swiglu_(out, hf, self.post_norm(hf), project_rows, counts[1:2], *self.adapter.swiglu_weights(),
-                                1 - gf if self.soft else None)
+        with ops.fixed_shapes():
+            a = self.attention.masked_rows(x, (run & valid).reshape(-1), ctx).reshape(-1, H)  # [T, H]
+            h1 = hf + a
+            out = hf.clone()
+            ops.grouped_swiglu_(out, h1, self.post_norm(h1), run_rows, counts[0:1], *self._mlp_weights(self.mlp),
+                                gf if self.soft else None)
+            if self.adapter is not None:
+                ops.grouped_swiglu_(out, hf, self.post_norm(hf), project_rows, counts[1:2],
+                                    *self.adapter.swiglu_weights(), 1 - gf if self.soft else None)
         return out.view_as(h)
 
     def extra_repr(self) -> str:

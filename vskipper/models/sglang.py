@@ -30,24 +30,6 @@ class SGLangLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h), forward_batch)
 
 
-def decode_attention_rows(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
-    """Decode attention for n rows over SGLang's paged KV (torch path; may host-sync: CPU only).
-
-    q [n, nh, d]; k/v_buffer [P, kvh, d]; req_to_token [R, C]; req_pool_indices, seq_lens [n]
-    -> o [n, nh, d]. Keys are gathered up to the longest sequence of these rows, padded and masked."""
-    n, nh, d = q.shape
-    L = int(seq_lens.max())
-    pos = torch.arange(L, device=q.device)
-    locs = req_to_token[req_pool_indices.long(), :L].long()  # [n, L]
-    mask = pos[None, :] < seq_lens[:, None]  # [n, L]
-    k = k_buffer[locs].transpose(1, 2).to(q.dtype)  # [n, kvh, L, d]
-    v = v_buffer[locs].transpose(1, 2).to(q.dtype)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=nh != k.shape[1]
-    )  # [n, nh, 1, d]
-    return o.squeeze(2)
-
-
 class SGLangAttention(nn.Module):
     """An SGLang attention module seen by a routed layer: K/V written for all rows, attention for
     RUN rows only at decode (prefill attends for all rows through SGLang's backend)."""
@@ -80,14 +62,18 @@ class SGLangAttention(nn.Module):
             return self.all_rows(x, ctx)[rows]
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
+        from vskipper import ops
+
         q, pool, layer, fb = self._qkv_and_write(x, ctx)
         n = rows.numel()
         if n == 0:
             return x.new_zeros(0, x.shape[-1])
-        o = decode_attention_rows(q[rows], pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                                  get_req_to_token_pool().req_to_token, fb.req_pool_indices[rows],
-                                  fb.seq_lens[rows], layer.scaling)
-        out, _ = self.self_attn.o_proj(o.reshape(n, -1))
+        run = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device).index_fill_(0, rows, True)
+        o = ops.masked_decode_attention_dynamic(q, pool.get_key_buffer(layer.layer_id),
+                                                pool.get_value_buffer(layer.layer_id),
+                                                get_req_to_token_pool().req_to_token, fb.req_pool_indices,
+                                                fb.seq_lens, run, layer.scaling)  # [T, nh, d], zeros off `rows`
+        out, _ = self.self_attn.o_proj(o[rows].reshape(n, -1))
         return out
 
 
