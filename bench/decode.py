@@ -48,6 +48,9 @@ def main(argv=None) -> None:
     for B in (int(b) for b in args.batches.split(",")):
         enc = tok(prompts[:B], return_tensors="pt", padding=True)
         speeds = {n: [] for n in systems}
+        for m in systems.values():  # warm-up: first calls allocate and pick kernels
+            with torch.no_grad():
+                m.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
         for r in range(args.repeats):
             for n, m in list(systems.items())[r % 3:] + list(systems.items())[:r % 3]:
                 t = []

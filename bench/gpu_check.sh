@@ -10,7 +10,7 @@
 #    (tests/test_ops_compile.py).
 # 2. Property tests: every Triton kernel against its torch reference, HYPOTHESIS_PROFILE=gpu
 #    (tests/test_kernels.py).
-# 3. Timings: bench/kernels.py, one markdown table (T in {16, 64, 256, 1024}, H=4096, I=14336, bf16).
+# 3. Timings: bench/kernel_timings.py, one markdown table (T in {16, 64, 256, 1024}, H=4096, I=14336, bf16).
 # Each step has its own time limit so that a slow step cannot eat the others; the exit status is
 # nonzero if any step failed.
 set -uo pipefail
@@ -46,7 +46,7 @@ rc=${PIPESTATUS[0]}
 
 step "3/3 timings (CUDA events, graph replay, median)"
 unset VSKIPPER_IMPL
-timeout 110 "$PY" bench/kernels.py --out "$LOGS/kernels.md" 2>"$LOGS/gpu_check_bench.log"
+timeout 110 "$PY" bench/kernel_timings.py --out "$LOGS/kernels.md" 2>"$LOGS/gpu_check_bench.log"
 rc=$?
 [ "$rc" -eq 0 ] || { status=1; echo "!! step 3 failed (exit $rc; 124 = timed out)"; tail -n 30 "$LOGS/gpu_check_bench.log"; }
 

@@ -1,4 +1,4 @@
-"""`vskipper serve | inspect` (and, as they land, `bench`, `calibrate`, `train`)."""
+"""`vskipper serve | inspect | calibrate | bench serve | train`."""
 from __future__ import annotations
 
 import argparse
@@ -80,8 +80,23 @@ def inspect_command(args: argparse.Namespace) -> None:
     print(f"skipper tensors: {len(sk.expected_shapes())} present with the expected shapes")
 
 
+BENCHES = {"serve": "vskipper.bench.serving"}  # `vskipper bench NAME ...` -> NAME's own argument parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="vskipper", description="Dynamic layer skipping for LLM serving")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:
+        from vskipper.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        if len(argv) < 2 or argv[1] not in BENCHES:
+            _fail(f"vskipper bench: expected one of {sorted(BENCHES)}, got {argv[1:2] or 'nothing'}")
+        import importlib
+
+        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
+    ap = argparse.ArgumentParser(prog="vskipper", description="Dynamic layer skipping for LLM serving",
+                                 epilog="also: vskipper calibrate [-h] ..., vskipper bench serve [-h] ...")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="launch SGLang with vskipper (any other flags go to SGLang)")
     s.add_argument("--skipper", help="skipper spec for a stock model, e.g. random:rate=0.5,layers=15-29,seed=0")

@@ -1,64 +1,29 @@
-"""The interim main job: build a FlexiDepth-layout checkpoint from the bundled SmolLM2-135M,
-load it with `vskipper.from_pretrained`, generate, and print per-layer skip ratios.
+"""The main job (`make demo`): the quick serving benchmark on the bundled SmolLM2-135M.
 
-The skipper's router weights are random (seeded), so the skipped tokens are arbitrary; the
-point is the path checkpoint -> transform -> generate -> stats, on a real model, offline."""
+Converts the bundled model once, measures this CPU's cost model once (`vskipper calibrate`,
+cached), then runs upstream SGLang, SGLang + vskipper with nothing skipped, and SGLang +
+vskipper with the default skipper on the same requests, and prints the table and the plot's
+path. Options are those of `vskipper bench serve` (default here: --quick)."""
 from __future__ import annotations
 
-import argparse
-import time
-
-import torch
-
-import vskipper
-from vskipper.models.smollm2 import cache_root, smollm2_dir
-
-
-def build_checkpoint(layers: list[int], seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    from vskipper.models.hf_loader import save_checkpoint
-
-    out = cache_root() / f"demo-flexidepth-{layers[0]}-{layers[-1]}-s{seed}"
-    if (out / "model.safetensors").is_file():
-        return out
-    src = smollm2_dir()
-    base = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    c = base.config
-    torch.manual_seed(seed)
-    sk = vskipper.FlexiDepth(layers, c.hidden_size, c.intermediate_size, c.rms_norm_eps, gate="soft")
-    with torch.no_grad():  # small adapters: a skipped token mostly keeps its hidden state
-        for a in sk.adapters.values():
-            a.up_proj.weight.mul_(0.1)
-    save_checkpoint(out, base, sk)
-    return out
+import sys
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--execution", default="auto", choices=["auto", "dense", "routed"])
-    args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
+    import torch
 
-    layers = list(range(24, 30))
-    path = build_checkpoint(layers)
-    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()))
-    model = vskipper.from_pretrained(path, vskipper.Config(execution=args.execution))
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
-    ids = tok(text, return_tensors="pt").input_ids
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-    dt = time.perf_counter() - t0
-    print(f"checkpoint: {path}")
-    print(f"prompt:     {args.prompt}")
-    print(f"output:     {tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
-    print(f"            {out.shape[1] - ids.shape[1]} tokens in {dt:.2f} s\n")
-    print("| layer | tokens | run | project | skip ratio |\n|---|---|---|---|---|")
-    for l, s in vskipper.stats(model).items():
-        print(f"| {l} | {s['tokens']} | {s['run']} | {s['project']} | {s['project'] / max(1, s['tokens']):.2f} |")
+    from vskipper import calibrate, cost
+    from vskipper.bench import serving
+    from vskipper.models.smollm2 import smollm2_dir
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    path = str(smollm2_dir())
+    hidden, inter, heads, kv = calibrate.shape_of(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cost.load(device, hidden, inter) is None:
+        print("demo: measuring this device's cost model once (vskipper calibrate)", file=sys.stderr, flush=True)
+        calibrate.main(["--model", path, "--device", device])
+    serving.main((["--quick"] if not argv else []) + argv)
 
 
 if __name__ == "__main__":

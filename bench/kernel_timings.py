@@ -1,10 +1,10 @@
 """Time vskipper's grouped-execution ops: Triton kernel vs the fixed-shape torch reference vs plain
 torch/cuBLAS on exactly the gathered rows, side by side in one run. Prints one markdown table.
 
-    python bench/kernels.py                       # T in {16, 64, 256, 1024}, H=4096, I=14336, bf16, 75% RUN
-    python bench/kernels.py --out kernels.md      # also write the table to a file
-    python bench/kernels.py --tune DIR            # sweep kernel configs per token bucket, write DIR/<gpu>.json
-    python bench/kernels.py --smoke               # tiny shapes on CPU (Triton interpreter): checks the script runs
+    python bench/kernel_timings.py                       # T in {16, 64, 256, 1024}, H=4096, I=14336, bf16, 75% RUN
+    python bench/kernel_timings.py --out kernels.md      # also write the table to a file
+    python bench/kernel_timings.py --tune DIR            # sweep kernel configs per token bucket, write DIR/<gpu>.json
+    python bench/kernel_timings.py --smoke               # tiny shapes on CPU (Triton interpreter): checks the script runs
 
 Legend: T = rows in the batch (the captured capacity), n = rows that RUN (the device-side count),
 H = hidden, I = MLP width. Times are microseconds per call, the median of 7 replays of a CUDA graph
