@@ -1,0 +1,384 @@
+"""Reliability of SGLang + vskipper on CPU, through the real HTTP server (`vskipper serve`):
+
+- faults: the server SIGKILLed mid-run loses only its in-flight requests, and a restart answers
+  the probe set exactly as before; a router that outputs NaN for some rows serves finite,
+  reference-equal greedy tokens and counts those rows as "nonfinite";
+- bad input at the serving boundary: a clear 400 naming the problem, then the server keeps
+  answering correctly;
+- security: the HTTP socket is bound to 127.0.0.1 only.
+
+Tests marked xfail(strict=True) record defects found here that live outside these files (see
+their reasons): they fail loudly (XPASS) once fixed, so the marker can go.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import vskipper
+from vskipper.bench.servers import free_port
+from vskipper.models.hf_loader import save_checkpoint
+from vskipper.reference import reference_generate
+
+from tiny import VOCAB, flexidepth_for, tiny_llama
+
+pytestmark = pytest.mark.sglang
+requests = pytest.importorskip("requests")
+psutil = pytest.importorskip("psutil")
+
+NEW = 12  # output tokens of a probe
+CONTEXT = 256  # tiny models' max_position_embeddings: SGLang's context length
+
+
+# --- one server: `vskipper serve` in its own process group ---------------------------------
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+
+def launch(model: Path, log: Path, port: int | None = None, *extra: str, timeout: float = 240) -> Served:
+    """`vskipper serve` for a tiny model (no tokenizer), waited on until /health answers 200."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "vskipper.cli", "serve", "--model-path", str(model), "--skip-tokenizer-init",
+           "--port", str(port), "--max-total-tokens", "4096", *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
+    srv = Served(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True), port, log)
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if srv.proc.poll() is not None:
+            raise AssertionError(f"server exited with {srv.proc.returncode} before it was healthy:\n{srv.tail()}")
+        try:
+            if requests.get(srv.url + "/health", timeout=2).status_code == 200:
+                return srv
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    shutdown(srv)
+    raise AssertionError(f"server not healthy after {timeout:.0f} s:\n{srv.tail()}")
+
+
+def group_alive(pgid: int, wait: float = 0.0) -> list[str]:
+    """Live (not zombie) processes of a process group, after waiting up to `wait` s for them to go."""
+    t0 = time.time()
+    while True:
+        alive = []
+        for p in psutil.process_iter(["name", "status"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{p.pid} {p.info['name']}")
+            except (ProcessLookupError, psutil.Error):
+                pass
+        if not alive or time.time() - t0 >= wait:
+            return alive
+        time.sleep(0.5)
+
+
+def shutdown(srv: Served) -> None:
+    """SIGTERM to the whole process group, SIGKILL after 30 s; nothing is left behind."""
+    if srv.proc.poll() is None:
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        try:
+            srv.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    if group_alive(srv.proc.pid, wait=5):
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait()
+
+
+# --- requests --------------------------------------------------------------------------------
+def sampling(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+
+
+def probes(seed: int = 11) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in (1, 5, 13, 30)]
+
+
+def generate(url: str, prompts: list[torch.Tensor], n: int = NEW, **extra) -> list[dict]:
+    """One batched /generate request; every answer must have exactly n tokens."""
+    r = requests.post(url + "/generate", json={"input_ids": [p.tolist() for p in prompts], "sampling_params": sampling(n),
+                                               **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [len(o["output_ids"]) for o in out] == [n] * len(prompts), out
+    return out
+
+
+def greedy(url: str, prompts: list[torch.Tensor], n: int = NEW) -> list[list[int]]:
+    return [o["output_ids"] for o in generate(url, prompts, n)]
+
+
+def reference(base, skipper, prompts, n: int = NEW) -> list[list[int]]:
+    return [reference_generate(base, skipper, p, n)[0][len(p):].tolist() for p in prompts]
+
+
+def assert_answers(url: str, prompts, expected: list[list[int]]) -> None:
+    got = greedy(url, prompts)
+    for p, a, b in zip(prompts, got, expected):
+        assert a == b, f"prompt of {len(p)} tokens: server {a} != expected {b}"
+
+
+def post_error(url: str, payload: dict) -> str:
+    """POST /generate with bad input: must answer HTTP 400 with an error object, or, streaming (the
+    status line is already sent), an error event with code 400 and nothing else; returns its message."""
+    r = requests.post(url + "/generate", json=payload, timeout=60)
+    if not payload.get("stream"):
+        assert r.status_code == 400, f"HTTP {r.status_code}: {r.text[:500]}"
+        return r.json()["error"]["message"]
+    events = [line[5:].strip() for line in r.text.splitlines() if line.startswith("data:")]
+    assert len(events) == 2 and events[1] == "[DONE]", r.text[:500]
+    error = json.loads(events[0])["error"]
+    assert error["code"] == 400, error
+    return error["message"]
+
+
+def assert_healthy(url: str) -> None:
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
+# --- faults: SIGKILL mid-run, restart ----------------------------------------------------------
+@dataclass
+class Streamed:
+    tokens: int = 0
+    finished: bool = False
+    error: str = ""
+
+
+def stream(url: str, prompt: torch.Tensor, n: int, first: threading.Event, out: Streamed) -> None:
+    payload = {"input_ids": prompt.tolist(), "sampling_params": sampling(n), "stream": True}
+    try:
+        with requests.post(url + "/generate", json=payload, stream=True, timeout=(5, 60)) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                msg = json.loads(line[5:])
+                out.tokens = msg["meta_info"]["completion_tokens"]
+                out.finished = msg["meta_info"]["finish_reason"] is not None
+                first.set()
+    except Exception as e:  # what a client sees when the server dies under it
+        out.error = repr(e)
+    finally:
+        first.set()
+
+
+def test_sigkill_mid_run_fails_only_in_flight_requests_and_a_restart_answers_as_before(tmp_path):
+    base = tiny_llama()
+    sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft")
+    path = save_checkpoint(tmp_path / "ckpt", base, sk)
+    ps = probes()
+    expected = reference(base, sk, ps)
+    srv = launch(path, tmp_path / "first.log")
+    restarted = None
+    try:
+        before = greedy(srv.url, ps)
+        assert before == expected, f"before the kill: server {before} != reference {expected}"
+        # requests that finish before the kill: concurrent, each must complete in full
+        g = torch.Generator().manual_seed(3)
+        early = [torch.randint(1, VOCAB, (n,), generator=g) for n in (2, 7, 19, 4, 11, 3)]
+        done = [Streamed() for _ in early]
+        threads = [threading.Thread(target=stream, args=(srv.url, p, 24, threading.Event(), d)) for p, d in zip(early, done)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [(d.tokens, d.finished, d.error) for d in done] == [(24, True, "")] * len(early)
+
+        # requests in flight at the kill: long streams, each seen producing tokens first
+        long_n = CONTEXT - 40
+        flight = [Streamed() for _ in range(4)]
+        firsts = [threading.Event() for _ in flight]
+        threads = [threading.Thread(target=stream, args=(srv.url, early[i], long_n, firsts[i], flight[i]))
+                   for i in range(len(flight))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(timeout=60) for e in firsts), "in-flight requests never started streaming"
+        assert not any(f.finished or f.error for f in flight), [vars(f) for f in flight]
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        t_kill = time.time()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "a client hung on a killed server"
+        assert time.time() - t_kill < 30
+        for f in flight:  # each in-flight client sees a failure, never a complete answer
+            assert not f.finished and f.tokens < long_n, vars(f)
+        srv.proc.wait(timeout=10)
+        left = group_alive(srv.proc.pid, wait=10)
+        assert not left, f"processes of the killed server survived SIGKILL to its group: {left}"
+
+        restarted = launch(path, tmp_path / "restarted.log", srv.port)  # same port: SO_REUSEADDR after a kill
+        assert greedy(restarted.url, ps) == before
+    finally:
+        shutdown(srv)
+        if restarted is not None:
+            shutdown(restarted)
+
+
+# --- faults: a router that outputs NaN ---------------------------------------------------------
+def metric(text: str, layer: int, route: str) -> float:
+    m = re.search(rf'vskipper_routed_layer_tokens_total\{{layer="{layer}",route="{route}"\}} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_router_with_nan_rows_serves_finite_reference_tokens_and_counts_them(tmp_path):
+    """FlexiDepth's router ends in a sigmoid, so weights with Inf/NaN make its output NaN (a
+    router cannot output Inf through it). Layer 1: router_head has +Inf and -Inf entries, so a row
+    gets NaN (Inf - Inf) or sigmoid(+-Inf) = 1 / 0 depending on signs: NaN for some rows. Layer 3:
+    a NaN in router_norm: NaN for every row. Defined behaviour: NaN rows run the layer with g = 1."""
+    base = tiny_llama()
+    sk = flexidepth_for(base, [1, 3, 4], gate="soft")
+    with torch.no_grad():
+        sk.router(1).router_head.weight[0, :2] = torch.tensor([math.inf, -math.inf])
+        sk.router(3).router_norm.weight[0] = math.nan
+    path = save_checkpoint(tmp_path / "ckpt", base, sk)
+    ps = probes()
+    # the test exercises what it claims: layer 1's router gives NaN for some rows, not all
+    x = []
+    hook = base.model.layers[1].input_layernorm.register_forward_hook(lambda m, a, out: x.append(out[0]))
+    with torch.no_grad():
+        for p in ps:
+            base(p[None])
+        hook.remove()
+        g1 = sk.router(1)(torch.cat(x))
+        g3 = sk.router(3)(torch.cat(x))
+    assert g1.isnan().any() and (~g1.isnan()).any() and g3.isnan().all()
+    expected = reference(base, sk, ps)
+
+    srv = launch(path, tmp_path / "server.log", None, "--enable-metrics", "--stats-interval", "1")
+    try:
+        out = generate(srv.url, ps, return_logprob=True)
+        for p, o, e in zip(ps, out, expected):
+            assert o["output_ids"] == e, f"prompt of {len(p)} tokens: server {o['output_ids']} != reference {e}"
+            lp = [t[0] for t in o["meta_info"]["output_token_logprobs"]]
+            assert len(lp) == NEW and all(math.isfinite(v) for v in lp), lp
+        text = requests.get(srv.url + "/metrics", timeout=10).text
+        nf1, nf3 = metric(text, 1, "nonfinite"), metric(text, 3, "nonfinite")
+        assert nf3 > 0 and nf3 == metric(text, 3, "run") and metric(text, 3, "project") == 0, text[-3000:]
+        assert 0 < nf1 < metric(text, 1, "run") and metric(text, 1, "project") > 0, text[-3000:]
+        assert metric(text, 4, "nonfinite") == 0
+        assert_healthy(srv.url)
+    finally:
+        shutdown(srv)
+
+
+# --- bad input and security: one server for the module ----------------------------------------
+SPEC = "random:rate=0.5,layers=1-5,seed=3"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`vskipper serve` (default host) of a stock tiny Llama with a random skipper, and the
+    reference answers to the probe set."""
+    d = tmp_path_factory.mktemp("served")
+    base = tiny_llama()
+    base.save_pretrained(d / "stock", safe_serialization=True)
+    srv = launch(d / "stock", d / "server.log", None, "--skipper", SPEC)
+    try:
+        yield srv, reference(base, vskipper.parse_skipper(SPEC), probes())
+    finally:
+        shutdown(srv)
+
+
+def test_prompt_longer_than_the_context_is_refused_and_the_server_keeps_answering(served):
+    srv, expected = served
+    msg = post_error(srv.url, {"input_ids": [7] * (CONTEXT + 44), "sampling_params": sampling(4)})
+    assert msg == f"The input ({CONTEXT + 44} tokens) is longer than the model's context length ({CONTEXT} tokens).", msg
+    msg = post_error(srv.url, {"input_ids": [7] * (CONTEXT - 6), "sampling_params": sampling(8)})
+    assert f"exceeds the model's maximum context length of {CONTEXT} tokens" in msg, msg
+    assert f"a total of {CONTEXT + 2} tokens" in msg, msg
+    assert_healthy(srv.url)
+    assert_answers(srv.url, probes(), expected)
+
+
+def test_empty_prompt_is_refused_and_the_server_keeps_answering(served):
+    srv, expected = served
+    for payload in ({"input_ids": []}, {"input_ids": [], "stream": True}):
+        msg = post_error(srv.url, {**payload, "sampling_params": sampling(4)})
+        assert msg == "input_ids cannot be empty.", msg
+    msg = post_error(srv.url, {"text": "", "sampling_params": sampling(4)})  # no tokenizer: text is refused
+    assert "cannot accept text prompts" in msg, msg
+    assert_healthy(srv.url)
+    assert_answers(srv.url, probes(), expected)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "SGLang 0.5.23 (upstream too, without vskipper): an empty prompt inside a batch is accepted and "
+    "answered with another request's logits. GenerateReqInput._determine_batch_size "
+    "(sglang/srt/managers/io_struct.py) rejects only an empty outer list. Fix for vskipper: a BEFORE hook on "
+    "TokenizerManager._validate_one_request in vskipper/integrations/sglang/plugin.py"))
+def test_empty_prompt_inside_a_batch_is_refused(served):
+    srv, expected = served
+    msg = post_error(srv.url, {"input_ids": [[3, 4], []], "sampling_params": sampling(4)})
+    assert "empty" in msg, msg
+
+
+def test_http_socket_is_bound_to_loopback_only(served):
+    srv, _ = served
+    tree = [psutil.Process(srv.proc.pid)] + psutil.Process(srv.proc.pid).children(recursive=True)
+    on_port = [c.laddr.ip for p in tree for c in p.net_connections(kind="inet")
+               if c.status == psutil.CONN_LISTEN and c.laddr.port == srv.port]
+    assert on_port == ["127.0.0.1"], on_port
+    # and from the outside: the port refuses connections on every non-loopback address of this host
+    others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+              if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    for ip in others:
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex((ip, srv.port)) != 0, f"port {srv.port} answers on {ip}"
+    assert_healthy(srv.url)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "torch.distributed's TCPStore, created by SGLang's init_process_group (tcp://127.0.0.1:<nccl port>, "
+    "sglang/srt/distributed/bootstrap.py _resolve_dist_init_method), listens on '::' (all interfaces) "
+    "whatever host it is given; upstream SGLang does the same. Fix for vskipper serve "
+    "(vskipper/cli.py serve_command): with one rank, set SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE="
+    "file://<fresh temp file> (checked by hand: serves, no wildcard listener)"))
+def test_no_server_process_listens_on_all_interfaces(served):
+    srv, _ = served
+    tree = [psutil.Process(srv.proc.pid)] + psutil.Process(srv.proc.pid).children(recursive=True)
+    wild = [(p.name(), c.laddr) for p in tree for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.ip in ("0.0.0.0", "::")]
+    assert not wild, wild
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "SGLang 0.5.23 (upstream too, without vskipper) does not range-check input_ids: an id >= vocab_size "
+    "raises IndexError in the scheduler's embedding and the whole server exits, dropping every request. "
+    "Missing check: TokenizerManager._validate_one_request (sglang/srt/managers/tokenizer_manager.py). "
+    "Fix for vskipper: a BEFORE hook on it in vskipper/integrations/sglang/plugin.py. "
+    "Runs last in this module: today it kills the module's server"))
+def test_zz_out_of_vocabulary_token_id_is_refused_and_the_server_keeps_answering(served):
+    srv, expected = served
+    try:
+        msg = post_error(srv.url, {"input_ids": [1, VOCAB + 5000, 3], "sampling_params": sampling(4)})
+    except requests.RequestException as e:
+        pytest.fail(f"the server died on an out-of-vocabulary token id: {e!r}")
+    assert str(VOCAB + 5000) in msg, msg
+    assert_healthy(srv.url)
+    assert_answers(srv.url, probes(), expected)
