@@ -20,7 +20,8 @@ def ckpt(request, tmp_path):
     base = tiny_llama() if request.param == "llama" else tiny_qwen3()
     sk = flexidepth_for(base, [1, 3, 4], gate="soft" if request.param == "llama" else "hard")
     path = tmp_path / "ckpt"
-    config = json.loads((save_checkpoint(path, base, sk) / "config.json").read_text())
+    config = json.loads((save_checkpoint(path, base, sk, model_type="dd" + request.param,
+                                         auto_map={"AutoConfig": "configuration_dd.DDConfig"}) / "config.json").read_text())
     config.pop("gate_mode")  # the architecture's default gate must apply
     (path / "config.json").write_text(json.dumps(config))
     return path, base, sk

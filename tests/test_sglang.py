@@ -40,7 +40,9 @@ def check_against_reference(eng, base, skipper):
 def test_skip_aware_checkpoint(tmp_path, family, execution):
     base = tiny_llama() if family == "llama" else tiny_qwen3()
     sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft" if family == "llama" else "hard")
-    path = save_checkpoint(tmp_path / "ckpt", base, sk)
+    # as FlexiDepth publishes it: its own model_type and an auto_map to remote code (never run)
+    path = save_checkpoint(tmp_path / "ckpt", base, sk, model_type="dd" + family,
+                           auto_map={"AutoModelForCausalLM": "modeling_dd.DDForCausalLM"})
     with engine(path, VSKIPPER_EXECUTION=execution) as eng:
         check_against_reference(eng, base, sk)
 

@@ -5,6 +5,8 @@ skipper read from the same checkpoint (the FlexiDepth key layout). The load-time
 transforms them with `vskipper.transform`."""
 from __future__ import annotations
 
+from transformers import LlamaConfig, Qwen3Config
+
 from vskipper.models.checkpoint import skipper_fields
 from vskipper.skippers.flexidepth import FlexiDepth
 
@@ -64,15 +66,16 @@ def model_classes():
     return [DDLlamaForCausalLM, DDQwen3ForCausalLM]
 
 
+class DDLlamaConfig(LlamaConfig):
+    """config.json with model_type "ddllama" (FlexiDepth's own code uses this name with remote
+    code; vskipper reads the same fields as a LlamaConfig and never runs that code)."""
+
+    model_type = "ddllama"
+
+
+class DDQwen3Config(Qwen3Config):
+    model_type = "ddqwen3"
+
+
 def config_classes():
-    """transformers config classes for checkpoints whose model_type is "ddllama" / "ddqwen3"
-    (FlexiDepth's own code uses these names with remote code; vskipper never runs it)."""
-    from transformers import LlamaConfig, Qwen3Config
-
-    class DDLlamaConfig(LlamaConfig):
-        model_type = "ddllama"
-
-    class DDQwen3Config(Qwen3Config):
-        model_type = "ddqwen3"
-
     return [DDLlamaConfig, DDQwen3Config]
