@@ -5,7 +5,8 @@
   reference-equal greedy tokens and counts those rows as "nonfinite";
 - bad input at the serving boundary: a clear 400 naming the problem, then the server keeps
   answering correctly;
-- security: the HTTP socket is bound to 127.0.0.1 only.
+- security: the HTTP socket is bound to 127.0.0.1 only;
+- the soak's (bench/soak.py) request mix and its checks, without a server: each check can fail.
 
 Tests marked xfail(strict=True) record defects found here that live outside these files (see
 their reasons): they fail loudly (XPASS) once fixed, so the marker can go.
@@ -29,13 +30,14 @@ import pytest
 import torch
 
 import vskipper
+from vskipper.bench import soak
 from vskipper.bench.servers import free_port
+from vskipper.bench.soak import Job, Outcome, Report, summary
 from vskipper.models.hf_loader import save_checkpoint
 from vskipper.reference import reference_generate
 
 from tiny import VOCAB, flexidepth_for, tiny_llama
 
-pytestmark = pytest.mark.sglang
 requests = pytest.importorskip("requests")
 psutil = pytest.importorskip("psutil")
 
@@ -187,6 +189,7 @@ def stream(url: str, prompt: torch.Tensor, n: int, first: threading.Event, out: 
         first.set()
 
 
+@pytest.mark.sglang
 def test_sigkill_mid_run_fails_only_in_flight_requests_and_a_restart_answers_as_before(tmp_path):
     base = tiny_llama()
     sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft")
@@ -245,6 +248,7 @@ def metric(text: str, layer: int, route: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.sglang
 def test_router_with_nan_rows_serves_finite_reference_tokens_and_counts_them(tmp_path):
     """FlexiDepth's router ends in a sigmoid, so weights with Inf/NaN make its output NaN (a
     router cannot output Inf through it). Layer 1: router_head has +Inf and -Inf entries, so a row
@@ -304,6 +308,7 @@ def served(tmp_path_factory):
         shutdown(srv)
 
 
+@pytest.mark.sglang
 def test_prompt_longer_than_the_context_is_refused_and_the_server_keeps_answering(served):
     srv, expected = served
     msg = post_error(srv.url, {"input_ids": [7] * (CONTEXT + 44), "sampling_params": sampling(4)})
@@ -315,6 +320,7 @@ def test_prompt_longer_than_the_context_is_refused_and_the_server_keeps_answerin
     assert_answers(srv.url, probes(), expected)
 
 
+@pytest.mark.sglang
 def test_empty_prompt_is_refused_and_the_server_keeps_answering(served):
     srv, expected = served
     for payload in ({"input_ids": []}, {"input_ids": [], "stream": True}):
@@ -326,6 +332,7 @@ def test_empty_prompt_is_refused_and_the_server_keeps_answering(served):
     assert_answers(srv.url, probes(), expected)
 
 
+@pytest.mark.sglang
 @pytest.mark.xfail(strict=True, reason=(
     "SGLang 0.5.23 (upstream too, without vskipper): an empty prompt inside a batch is accepted and "
     "answered with another request's logits. GenerateReqInput._determine_batch_size "
@@ -337,6 +344,7 @@ def test_empty_prompt_inside_a_batch_is_refused(served):
     assert "empty" in msg, msg
 
 
+@pytest.mark.sglang
 def test_http_socket_is_bound_to_loopback_only(served):
     srv, _ = served
     tree = [psutil.Process(srv.proc.pid)] + psutil.Process(srv.proc.pid).children(recursive=True)
@@ -353,6 +361,7 @@ def test_http_socket_is_bound_to_loopback_only(served):
     assert_healthy(srv.url)
 
 
+@pytest.mark.sglang
 @pytest.mark.xfail(strict=True, reason=(
     "torch.distributed's TCPStore, created by SGLang's init_process_group (tcp://127.0.0.1:<nccl port>, "
     "sglang/srt/distributed/bootstrap.py _resolve_dist_init_method), listens on '::' (all interfaces) "
@@ -367,6 +376,7 @@ def test_no_server_process_listens_on_all_interfaces(served):
     assert not wild, wild
 
 
+@pytest.mark.sglang
 @pytest.mark.xfail(strict=True, reason=(
     "SGLang 0.5.23 (upstream too, without vskipper) does not range-check input_ids: an id >= vocab_size "
     "raises IndexError in the scheduler's embedding and the whole server exits, dropping every request. "
@@ -382,3 +392,70 @@ def test_zz_out_of_vocabulary_token_id_is_refused_and_the_server_keeps_answering
     assert str(VOCAB + 5000) in msg, msg
     assert_healthy(srv.url)
     assert_answers(srv.url, probes(), expected)
+
+
+# --- the soak, without a server ------------------------------------------------------------------
+def test_soak_mix_is_seeded_poisson_with_every_kind_of_request():
+    prompts = [f"prompt {i}." for i in range(50)]
+    jobs = soak.mixed_jobs(prompts, rate=2.0, duration=300, seed=0)
+    assert jobs == soak.mixed_jobs(prompts, rate=2.0, duration=300, seed=0)
+    assert jobs != soak.mixed_jobs(prompts, rate=2.0, duration=300, seed=1)
+    assert abs(len(jobs) - 600) < 4 * math.sqrt(600), len(jobs)
+    assert all(0 <= j.arrival < 300 for j in jobs) and [j.arrival for j in jobs] == sorted(j.arrival for j in jobs)
+    for kind, share in soak.KINDS.items():
+        assert abs(sum(j.kind == kind for j in jobs) / len(jobs) - share) < 0.07, kind
+    long = [j for j in jobs if j.prompt not in prompts]
+    assert abs(len(long) / len(jobs) - soak.LONG_FRACTION) < 0.07
+    assert all(j.prompt.count("prompt") >= soak.LONG_PARTS[0] for j in long)
+    assert {j.max_new_tokens for j in jobs} == set(soak.NEW_TOKENS)
+    assert all(1 <= j.cancel_after <= j.max_new_tokens // 2 for j in jobs if j.kind == "disconnect")
+    probes = soak.probe_jobs(soak.probe_set(prompts), duration=120, every=30)
+    assert sorted({j.arrival for j in probes}) == [15, 45, 75, 105] and len(probes) == 4 * 6
+
+
+def soak_report(**edit):
+    """A passing soak report: 3 completed requests, 1 cancelled, 2 probes equal to the idle answers."""
+    idle = [[1, 2, 3], [4, 5, 6]]
+    outs = [Outcome(Job(0.5 * i, "p", 16, kind), "completed", 16, "length", None, 0.1, 1.0, span=(0.5 * i, 0.5 * i + 1))
+            for i, kind in enumerate(["stream", "full", "stream"])]
+    outs.append(Outcome(Job(2.0, "p", 32, "disconnect", cancel_after=5), "cancelled", 5, span=(2.0, 2.5)))
+    outs += [Outcome(Job(1.0, "q", 3, "probe", probe=i, round=0), "completed", 3, "length", list(ids), 0.1, 0.2,
+                     span=(1.0, 1.2)) for i, ids in enumerate(idle)]
+    rep = Report("m", "random:rate=0.5,layers=1,seed=0", 1.0, "--rate", 10, (0.1, 0.1, 0.1), outs, 4.0, 1000,
+                 [(0, 1000), (2, 1050)], idle, [list(x) for x in idle], True)
+    for k, v in edit.items():
+        setattr(rep, k, v(rep.outcomes) if callable(v) else v)
+    return rep
+
+
+def first_answer(tokens: int, finish: str):
+    """Replace the first request's outcome with a completed one of `tokens` tokens."""
+    return lambda outs: [Outcome(outs[0].job, "completed", tokens, finish, span=(0, 1))] + outs[1:]
+
+
+@pytest.mark.parametrize("edit, failing", [
+    (dict(outcomes=lambda outs: outs + [Outcome(outs[0].job, "failed", error="boom", span=(1, 2))]), "no request failed"),
+    (dict(outcomes=first_answer(15, "length")), "every completed request has its requested token count"),
+    (dict(outcomes=first_answer(16, "abort")), "every completed request has its requested token count"),
+    (dict(rss_samples=[(0, 1000), (2, 1101)]), "server RSS within 10% of the warm baseline"),
+    (dict(idle_after=[[1, 2, 3], [4, 5, 7]]), "idle probe answers after the load equal those before"),
+    (dict(healthy_after=False), "server healthy after the load"),
+], ids=["failed", "short", "stopped-early", "rss", "idle-changed", "died"])
+def test_soak_checks_each_fail_when_they_should(edit, failing):
+    text, ok = summary(soak_report())
+    assert ok and text.rstrip().endswith("**PASS**") and "**FAIL**" not in text, text
+    assert "| **all** | 6 | 5 | 1 | 0 |" in text, text
+    text, ok = summary(soak_report(**edit))
+    assert not ok and text.rstrip().endswith("**FAIL**"), text
+    assert f"| {failing} | **FAIL** |" in text, text
+    assert text.count("| **FAIL** |") == 1, text
+
+
+def test_soak_reports_probe_disagreement_under_load_without_failing():
+    def disagree(outs):
+        outs[-1].output_ids = [4, 9, 9]
+        return outs
+
+    text, ok = summary(soak_report(outcomes=disagree))
+    assert ok, text
+    assert "equal to the idle server's answers: 1/2 (50%); the others first differ at token [1]" in text, text

@@ -1,0 +1,506 @@
+"""Soak: SGLang + vskipper kept at twice its capacity for a while; no request may be lost.
+
+1. start the server (SmolLM2-135M and `random:rate=0.5,layers=15-29,seed=0` unless told
+   otherwise; on CPU through the vskipper_cpu platform);
+2. choose the offered rate: `--rate` (req/s), else 2x the knee of a serving-benchmark
+   results.json (`--knee-from`; the knee is converted through output tokens, since its requests
+   were shorter), else 2x the capacity measured by a short saturation probe (load.py);
+3. warm up (the probe above, plus a burst with long prompts), then take the server's RSS (its
+   whole process tree) as the baseline, and the probe set's greedy answers on the idle server,
+   one request at a time, after flushing the radix cache;
+4. offer seeded Poisson arrivals for `--duration` seconds: shipped prompts and long ones made by
+   joining several, 16/32/64 output tokens (ignore_eos), streaming and non-streaming requests,
+   and streaming clients that disconnect mid-stream; every `--probe-every` seconds the probe set
+   rides along; then wait for every accepted request to finish (the backlog of an overload);
+5. check and print: failed = 0; every completed request has exactly its requested token count;
+   RSS stays within 10% of the baseline; the idle probe answers after the load equal those
+   before it; the server is still healthy. Probes answered during the load are compared too and
+   their agreement rate printed (not a pass condition: see docs/reliability.md).
+Exit code 0 when every check passes, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vskipper.bench.load import poisson_schedule, run_load, throughput
+from vskipper.bench.servers import Server, System, start, stop
+
+DEFAULT_SKIPPER = "random:rate=0.5,layers=15-29,seed=0"
+NEW_TOKENS = (16, 32, 64)  # output lengths of the load, drawn uniformly
+KINDS = {"stream": 0.5, "full": 0.35, "disconnect": 0.15}  # full = non-streaming
+LONG_FRACTION = 0.3  # share of prompts made by joining LONG_PARTS shipped prompts
+LONG_PARTS = (4, 12)
+PROBE_NEW = 32
+RSS_TOLERANCE = 0.10
+SAT_REQUESTS, SAT_NEW = 16, 32  # the saturation probe when no rate or knee is given
+
+
+@dataclass(frozen=True)
+class Job:
+    arrival: float  # s after the start of the load
+    prompt: str
+    max_new_tokens: int
+    kind: str  # stream | full | disconnect | probe
+    cancel_after: int = 0  # disconnect: close the stream once this many tokens arrived
+    probe: int = -1  # probe: index in the probe set
+    round: int = -1  # probe: which round
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str  # completed | cancelled | failed
+    tokens: int = 0
+    finish: str = ""
+    output_ids: list[int] | None = None
+    ttft: float = math.nan
+    e2e: float = math.nan
+    error: str = ""
+    span: tuple[float, float] = (math.nan, math.nan)  # (sent, answered), s after the start of the load
+
+    @property
+    def exact(self) -> bool:
+        return self.tokens == self.job.max_new_tokens and self.finish == "length"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- what is sent ----------------------------------------------------------------------------
+def shipped_prompts() -> list[str]:
+    from vskipper.data import load
+
+    return [r["prompt"] for r in load("prompts")]
+
+
+def long_prompt(r: random.Random, prompts: list[str]) -> str:
+    return "\n\n".join(r.sample(prompts, r.randint(*LONG_PARTS)))
+
+
+def mixed_jobs(prompts: list[str], rate: float, duration: float, seed: int) -> list[Job]:
+    """Seeded Poisson arrivals at `rate` req/s over [0, duration)."""
+    r = random.Random(seed)
+    jobs, t = [], r.expovariate(rate)
+    kinds, weights = list(KINDS), list(KINDS.values())
+    while t < duration:
+        prompt = long_prompt(r, prompts) if r.random() < LONG_FRACTION else r.choice(prompts)
+        n = r.choice(NEW_TOKENS)
+        kind = r.choices(kinds, weights)[0]
+        jobs.append(Job(t, prompt, n, kind, cancel_after=r.randint(1, n // 2) if kind == "disconnect" else 0))
+        t += r.expovariate(rate)
+    return jobs
+
+
+def probe_set(prompts: list[str]) -> list[str]:
+    """Four shipped prompts and two long ones, fixed."""
+    r = random.Random(1234)
+    return r.sample(prompts, 4) + [long_prompt(r, prompts) for _ in range(2)]
+
+
+def probe_jobs(probes: list[str], duration: float, every: float) -> list[Job]:
+    times = [every / 2 + i * every for i in range(max(1, int(duration // every)))]
+    return [Job(t, p, PROBE_NEW, "probe", probe=i, round=k) for k, t in enumerate(times) for i, p in enumerate(probes)]
+
+
+def mean_new_tokens() -> float:
+    return statistics.fmean(NEW_TOKENS)
+
+
+# --- the client --------------------------------------------------------------------------------
+def _done(job: Job, body: dict, start: float, first: float | None) -> Outcome:
+    end = time.perf_counter()
+    meta = body["meta_info"]
+    fr = meta.get("finish_reason") or {}
+    return Outcome(job, "completed", meta["completion_tokens"], fr.get("type", "") if isinstance(fr, dict) else str(fr),
+                   body.get("output_ids"), (first or end) - start, end - start)
+
+
+async def send(session, url: str, job: Job, t0: float, live: dict) -> Outcome:
+    await asyncio.sleep(max(0.0, t0 + job.arrival - time.perf_counter()))
+    live["sent"] += 1
+    start = time.perf_counter()
+    out = await _send(session, url, job, start)
+    out.span = (start - t0, time.perf_counter() - t0)
+    live["finished"] += 1
+    return out
+
+
+async def _send(session, url: str, job: Job, start: float) -> Outcome:
+    first = None
+    streaming = job.kind in ("stream", "disconnect")
+    payload = {"text": job.prompt, "stream": streaming,
+               "sampling_params": {"max_new_tokens": job.max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    try:
+        async with session.post(url + "/generate", json=payload) as resp:
+            if resp.status != 200:
+                return Outcome(job, "failed", error=f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            if not streaming:
+                return _done(job, await resp.json(), start, None)
+            last = None
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[5:])
+                if "error" in msg:
+                    return Outcome(job, "failed", error=f"error event: {msg['error']}")
+                last = msg
+                n = msg["meta_info"]["completion_tokens"]
+                if first is None and n > 0:
+                    first = time.perf_counter()
+                if job.kind == "disconnect" and n >= job.cancel_after:
+                    resp.close()  # drop the connection mid-stream; the server must abort the request
+                    return Outcome(job, "cancelled", n, ttft=first - start, e2e=time.perf_counter() - start)
+            if last is None:
+                return Outcome(job, "failed", error="stream ended without a single event")
+            return _done(job, last, start, first)
+    except Exception as e:  # a soak counts failures; it does not hide them
+        return Outcome(job, "failed", error=repr(e))
+
+
+async def _run(url: str, jobs: list[Job], limit: float, progress=None) -> list[Outcome]:
+    """Send every job at its arrival time; whatever is unfinished after `limit` s fails."""
+    import aiohttp
+
+    live = {"sent": 0, "finished": 0}
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(send(session, url, j, t0, live)) for j in jobs]
+        ticker = asyncio.ensure_future(_tick(live, t0, progress)) if progress else None
+        done, pending = await asyncio.wait(tasks, timeout=limit)
+        for t in pending:
+            t.cancel()
+        if ticker:
+            ticker.cancel()
+        out = []
+        for j, t in zip(jobs, tasks):
+            if t in done:
+                out.append(t.result())
+            else:
+                out.append(Outcome(j, "failed", error=f"not finished {limit:.0f} s after the start of the load"))
+        return out
+
+
+async def _tick(live: dict, t0: float, progress) -> None:
+    while True:
+        await asyncio.sleep(15)
+        progress(time.perf_counter() - t0, live["sent"], live["sent"] - live["finished"])
+
+
+def run_jobs(url: str, jobs: list[Job], limit: float, progress=None) -> list[Outcome]:
+    return asyncio.run(_run(url, jobs, limit, progress))
+
+
+def idle_answers(url: str, probes: list[str]) -> list[list[int] | None]:
+    """Greedy answers of the probe set on an idle server: radix cache flushed, one at a time."""
+    import requests
+
+    r = requests.post(url + "/flush_cache", timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"/flush_cache on an idle server answered {r.status_code}: {r.text[:200]}")
+    out = []
+    for i, p in enumerate(probes):
+        (o,) = run_jobs(url, [Job(0.0, p, PROBE_NEW, "probe", probe=i)], limit=600)
+        if o.status != "completed" or not o.exact:
+            raise RuntimeError(f"idle probe {i} did not complete: {o.status} {o.tokens} tokens {o.error}")
+        out.append(o.output_ids)
+    return out
+
+
+# --- the server's memory -------------------------------------------------------------------------
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+class RssSampler:
+    def __init__(self, pid: int, every: float = 2.0) -> None:
+        self.pid, self.every, self.samples = pid, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        t0 = time.time()
+        while not self._stop.is_set():
+            self.samples.append((time.time() - t0, tree_rss(self.pid)))
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# --- the run ----------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    model: str
+    skipper: str
+    rate: float
+    rate_source: str
+    duration: float
+    loadavg_start: tuple[float, float, float]
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall: float = 0.0  # s from the first arrival to the last answer
+    rss_baseline: int = 0
+    rss_samples: list[tuple[float, int]] = field(default_factory=list)
+    idle_before: list = field(default_factory=list)
+    idle_after: list = field(default_factory=list)
+    healthy_after: bool = False
+
+
+def choose_rate(args, url: str | None, prompts: list[str]) -> tuple[float, str]:
+    if args.rate:
+        return args.rate, "--rate"
+    if args.knee_from:
+        d = json.loads(Path(args.knee_from).read_text())
+        knee, n = float(d["knee"]), int(d["settings"]["max_new_tokens"])
+        rate = 2 * knee * n / mean_new_tokens()
+        return rate, (f"2x the knee of {args.knee_from} ({knee:.2f} req/s of {n} output tokens = "
+                      f"{knee * n:.1f} tok/s)")
+    sat = run_load(url, poisson_schedule(prompts, math.inf, SAT_REQUESTS, SAT_NEW, args.seed))
+    tp = throughput(sat)
+    if tp <= 0:
+        raise RuntimeError(f"saturation probe failed: {[r.error for r in sat if not r.ok][:3]}")
+    return 2 * tp / mean_new_tokens(), (f"2x the capacity from a saturation probe ({SAT_REQUESTS} requests x "
+                                        f"{SAT_NEW} tokens: {tp:.1f} tok/s)")
+
+
+def soak(args) -> Report:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the server
+    prompts = shipped_prompts()
+    probes = probe_set(prompts)
+    model = args.model_path
+    if model is None:
+        from vskipper.models.smollm2 import smollm2_dir
+
+        model = str(smollm2_dir())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    loadavg = os.getloadavg()
+    if not args.rate and args.knee_from:
+        choose_rate(args, None, prompts)  # a bad results.json fails before the server starts
+    log(f"starting SGLang + vskipper ({args.skipper}) on {model}")
+    server: Server = start(System("soak", model, args.skipper), out)
+    try:
+        rate, source = choose_rate(args, server.url, prompts)
+        log(f"offered rate {rate:.2f} req/s: {source}")
+        r = random.Random(args.seed + 7)  # warm-up: long prompts at once, so the big prefill batches run first
+        warm = [Job(0.0, long_prompt(r, prompts), 4, "full") for _ in range(8)]
+        warm += [Job(0.0, r.choice(prompts), 16, "stream") for _ in range(8)]
+        bad = [o for o in run_jobs(server.url, warm, limit=900) if o.status != "completed"]
+        if bad:
+            raise RuntimeError(f"warm-up failed: {bad[0].error}")
+        report = Report(model, args.skipper, rate, source, args.duration, loadavg)
+        report.idle_before = idle_answers(server.url, probes)
+        report.rss_baseline = statistics.median(_sleep_then(1.0, tree_rss, server.proc.pid) for _ in range(3))
+        log(f"warm: RSS of the server's process tree {report.rss_baseline / 2**20:.0f} MiB")
+        jobs = mixed_jobs(prompts, rate, args.duration, args.seed) + probe_jobs(probes, args.duration, args.probe_every)
+        jobs.sort(key=lambda j: j.arrival)
+        log(f"load: {sum(j.kind != 'probe' for j in jobs)} requests + {sum(j.kind == 'probe' for j in jobs)} probes "
+            f"over {args.duration:.0f} s, then the backlog drains")
+
+        def progress(t, sent, inflight):
+            log(f"  t={t:5.0f} s: sent {sent}, in flight {inflight}, RSS {tree_rss(server.proc.pid) / 2**20:.0f} MiB")
+
+        t0 = time.perf_counter()
+        with RssSampler(server.proc.pid) as rss:
+            report.outcomes = run_jobs(server.url, jobs, limit=args.duration + args.drain_limit, progress=progress)
+        report.wall = time.perf_counter() - t0
+        report.rss_samples = rss.samples
+        alive = server.proc.poll() is None
+        report.healthy_after = alive and _healthy(server.url)
+        if report.healthy_after:
+            report.idle_after = idle_answers(server.url, probes)
+        return report
+    finally:
+        stop(server)
+
+
+def _sleep_then(s: float, fn, *args):
+    time.sleep(s)
+    return fn(*args)
+
+
+def _healthy(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(url + "/health", timeout=30).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+# --- the summary -----------------------------------------------------------------------------------
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else math.nan)
+
+
+def checks(rep: Report) -> tuple[list[tuple[str, bool, str]], dict]:
+    load = [o for o in rep.outcomes if o.job.kind != "probe"]
+    probes = [o for o in rep.outcomes if o.job.kind == "probe"]
+    count = {s: sum(o.status == s for o in rep.outcomes) for s in ("completed", "cancelled", "failed")}
+    completed = [o for o in rep.outcomes if o.status == "completed"]
+    wrong = [o for o in completed if not o.exact]
+    peak = max((b for _, b in rep.rss_samples), default=0)
+    growth = peak / rep.rss_baseline - 1 if rep.rss_baseline else math.nan
+    answered = [o for o in probes if o.status == "completed" and o.output_ids is not None]
+    same = [o for o in answered if o.output_ids == rep.idle_before[o.job.probe]]
+    diverge = [first_difference(o.output_ids, rep.idle_before[o.job.probe]) for o in answered if o not in same]
+    facts = dict(load=load, probes=probes, count=count, wrong=wrong, peak=peak, growth=growth,
+                 answered=answered, same=same, diverge=diverge)
+    out = [
+        ("no request failed", count["failed"] == 0, f"{count['failed']} failed"),
+        ("every completed request has its requested token count", not wrong, f"{len(wrong)} of {len(completed)} differ"),
+        (f"server RSS within {RSS_TOLERANCE:.0%} of the warm baseline", growth <= RSS_TOLERANCE, f"peak {growth:+.1%}"),
+        ("idle probe answers after the load equal those before", rep.idle_after == rep.idle_before,
+         f"{sum(a == b for a, b in zip(rep.idle_after, rep.idle_before))}/{len(rep.idle_before)} equal"),
+        ("server healthy after the load", rep.healthy_after, "/health"),
+    ]
+    return out, facts
+
+
+def peak_in_flight(outcomes: list[Outcome]) -> int:
+    events = sorted([(o.span[0], 1) for o in outcomes] + [(o.span[1], -1) for o in outcomes], key=lambda e: (e[0], e[1]))
+    n = peak = 0
+    for _, d in events:
+        n += d
+        peak = max(peak, n)
+    return peak
+
+
+def summary(rep: Report) -> tuple[str, bool]:
+    result, f = checks(rep)
+    ok = all(passed for _, passed, _ in result)
+    load, count = f["load"], f["count"]
+    by = lambda kind, status: sum(o.job.kind == kind and o.status == status for o in load)  # noqa: E731
+    done = [o for o in load if o.status == "completed"]
+    tokens = sum(o.tokens for o in rep.outcomes)  # completed, cancelled (partial) and probes
+    cpus = os.cpu_count()
+    busy = rep.loadavg_start[0] > 0.5 * (cpus or 1)
+    lines = [
+        f"## Soak: SGLang + vskipper, {rep.duration:.0f} s of load at {rep.rate:.2f} req/s",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({platform.machine()}, {cpus} CPUs, no GPU)"
+        if not _cuda() else f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({_cuda()})",
+        f"load average at start {rep.loadavg_start[0]:.2f}" + (" (the machine was shared and busy)" if busy else ""),
+        f"model {Path(rep.model).name}, skipper `{rep.skipper}`; rate: {rep.rate_source}",
+        "",
+        "| requests | sent | completed | cancelled (client left mid-stream) | failed |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in ("stream", "full", "disconnect"):
+        lines.append(f"| {'non-streaming' if kind == 'full' else kind} | {sum(o.job.kind == kind for o in load)} | "
+                     f"{by(kind, 'completed')} | {by(kind, 'cancelled')} | {by(kind, 'failed')} |")
+    lines.append(f"| probes (greedy, {PROBE_NEW} tokens) | {len(f['probes'])} | "
+                 f"{sum(o.status == 'completed' for o in f['probes'])} | 0 | {sum(o.status == 'failed' for o in f['probes'])} |")
+    lines.append(f"| **all** | {len(rep.outcomes)} | {count['completed']} | {count['cancelled']} | {count['failed']} |")
+    ttft, e2e = [o.ttft for o in done], [o.e2e for o in done]
+    lines += [
+        "",
+        f"served {tokens / rep.wall:.1f} output tok/s over {rep.wall:.0f} s (offered "
+        f"{rep.rate * mean_new_tokens():.1f} tok/s during {rep.duration:.0f} s); up to "
+        f"{peak_in_flight(rep.outcomes)} requests in flight; "
+        f"TTFT p50 {pct(ttft, 50):.1f} s, p99 {pct(ttft, 99):.1f} s; e2e p50 {pct(e2e, 50):.1f} s, p99 {pct(e2e, 99):.1f} s",
+        f"server RSS (process tree): warm {rep.rss_baseline / 2**20:.0f} MiB, peak {f['peak'] / 2**20:.0f} MiB "
+        f"({f['growth']:+.1%}), last {rep.rss_samples[-1][1] / 2**20 if rep.rss_samples else 0:.0f} MiB",
+        f"probes during the load equal to the idle server's answers: {len(f['same'])}/{len(f['answered'])} "
+        f"({len(f['same']) / max(1, len(f['answered'])):.0%})"
+        + (f"; the others first differ at token {sorted(f['diverge'])}" if f["diverge"] else ""),
+        "",
+        "| check | result | |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {'pass' if passed else '**FAIL**'} | {detail} |" for name, passed, detail in result]
+    errors = sorted({o.error for o in rep.outcomes if o.status == "failed"})
+    if errors:
+        lines += ["", "failures (distinct errors):"] + [f"- {e[:300]}" for e in errors[:10]]
+    lines += ["", f"**{'PASS' if ok else 'FAIL'}**"]
+    return "\n".join(lines) + "\n", ok
+
+
+def _cuda() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--skipper", default=DEFAULT_SKIPPER, help=f"skipper spec (default {DEFAULT_SKIPPER})")
+    ap.add_argument("--rate", type=float, help="offered load in req/s (default: 2x the knee or 2x measured capacity)")
+    ap.add_argument("--knee-from", help="results.json of the serving benchmark: offer 2x its knee")
+    ap.add_argument("--duration", type=float, default=600, help="seconds of offered load (default 600)")
+    ap.add_argument("--quick", action="store_true", help="2 minutes of load instead of 10")
+    ap.add_argument("--probe-every", type=float, help="seconds between probe rounds (default duration / 8)")
+    ap.add_argument("--drain-limit", type=float,
+                    help="seconds after the load ends that the backlog may take (default 2x duration + 300)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="out/soak", help="server log, summary.md and outcomes.json go here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.duration = 120
+    if args.rate is not None and not args.rate > 0:
+        ap.error(f"--rate must be > 0, got {args.rate}")
+    if args.knee_from and not Path(args.knee_from).is_file():
+        ap.error(f"--knee-from {args.knee_from}: no such file")
+    args.probe_every = args.probe_every or args.duration / 8
+    args.drain_limit = args.drain_limit if args.drain_limit is not None else 2 * args.duration + 300
+    from vskipper.skippers import parse_skipper
+
+    try:
+        parse_skipper(args.skipper)  # fail now, not after the server started
+    except ValueError as e:
+        ap.error(str(e))
+    rep = soak(args)
+    text, ok = summary(rep)
+    out = Path(args.out)
+    (out / "summary.md").write_text(text)
+    (out / "outcomes.json").write_text(json.dumps({
+        "rate": rep.rate, "rate_source": rep.rate_source, "duration": rep.duration,
+        "rss_baseline": rep.rss_baseline, "rss_samples": rep.rss_samples,
+        "idle_before": rep.idle_before, "idle_after": rep.idle_after,
+        "outcomes": [{**asdict(o.job), **{k: v for k, v in asdict(o).items() if k != "job"}} for o in rep.outcomes]}))
+    print(text)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
