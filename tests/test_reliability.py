@@ -421,8 +421,10 @@ def soak_report(**edit):
     outs.append(Outcome(Job(2.0, "p", 32, "disconnect", cancel_after=5), "cancelled", 5, span=(2.0, 2.5)))
     outs += [Outcome(Job(1.0, "q", 3, "probe", probe=i, round=0), "completed", 3, "length", list(ids), 0.1, 0.2,
                      span=(1.0, 1.2)) for i, ids in enumerate(idle)]
-    rep = Report("m", "random:rate=0.5,layers=1,seed=0", 1.0, "--rate", 10, (0.1, 0.1, 0.1), outs, 4.0, 1000,
-                 [(0, 1000), (2, 1050)], idle, [list(x) for x in idle], True)
+    rep = Report("m", "random:rate=0.5,layers=1,seed=0", rate=1.0, rate_source="--rate", duration=10,
+                 loadavg_start=(0.1, 0.1, 0.1), outcomes=outs, wall=4.0, rss_baseline=1000,
+                 rss_samples=[(0, 1000), (2, 1050)], idle_before=idle, idle_after=[list(x) for x in idle],
+                 healthy_after=True)
     for k, v in edit.items():
         setattr(rep, k, v(rep.outcomes) if callable(v) else v)
     return rep

@@ -10,8 +10,9 @@
    one request at a time, after flushing the radix cache;
 4. offer seeded Poisson arrivals for `--duration` seconds: shipped prompts and long ones made by
    joining several, 16/32/64 output tokens (ignore_eos), streaming and non-streaming requests,
-   and streaming clients that disconnect mid-stream; every `--probe-every` seconds the probe set
-   rides along; then wait for every accepted request to finish (the backlog of an overload);
+   and streaming clients that disconnect mid-stream; four times (`--probe-every`) the probe set
+   rides along, its tokens counted in the offered load; then wait for every accepted request to
+   finish (the backlog of an overload);
 5. check and print: failed = 0; every completed request has exactly its requested token count;
    RSS stays within 10% of the baseline; the idle probe answers after the load equal those
    before it; the server is still healthy. Probes answered during the load are compared too and
@@ -269,6 +270,7 @@ class Report:
     rate_source: str
     duration: float
     loadavg_start: tuple[float, float, float]
+    threads: int | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     wall: float = 0.0  # s from the first arrival to the last answer
     rss_baseline: int = 0
@@ -312,7 +314,8 @@ def soak(args) -> Report:
     if not args.rate and args.knee_from:
         choose_rate(args, None, prompts)  # a bad results.json fails before the server starts
     log(f"starting SGLang + vskipper ({args.skipper}) on {model}")
-    server: Server = start(System("soak", model, args.skipper), out)
+    env = (("OMP_NUM_THREADS", str(args.threads)),) if args.threads else ()
+    server: Server = start(System("soak", model, args.skipper, env), out)
     try:
         rate, source = choose_rate(args, server.url, prompts)
         log(f"offered rate {rate:.2f} req/s: {source}")
@@ -322,12 +325,15 @@ def soak(args) -> Report:
         bad = [o for o in run_jobs(server.url, warm, limit=900) if o.status != "completed"]
         if bad:
             raise RuntimeError(f"warm-up failed: {bad[0].error}")
-        report = Report(model, args.skipper, rate, source, args.duration, loadavg)
+        report = Report(model, args.skipper, rate, source, args.duration, loadavg, args.threads)
         report.idle_before = idle_answers(server.url, probes)
         report.rss_baseline = statistics.median(_sleep_then(1.0, tree_rss, server.proc.pid) for _ in range(3))
         log(f"warm: RSS of the server's process tree {report.rss_baseline / 2**20:.0f} MiB")
-        jobs = mixed_jobs(prompts, rate, args.duration, args.seed) + probe_jobs(probes, args.duration, args.probe_every)
-        jobs.sort(key=lambda j: j.arrival)
+        riders = probe_jobs(probes, args.duration, args.probe_every)
+        # the probes are part of the offered load: the mix gets what is left of it (at least half)
+        probe_rate = len(riders) * PROBE_NEW / args.duration / mean_new_tokens()
+        jobs = sorted(mixed_jobs(prompts, max(rate / 2, rate - probe_rate), args.duration, args.seed) + riders,
+                      key=lambda j: j.arrival)
         log(f"load: {sum(j.kind != 'probe' for j in jobs)} requests + {sum(j.kind == 'probe' for j in jobs)} probes "
             f"over {args.duration:.0f} s, then the backlog drains")
 
@@ -419,7 +425,8 @@ def summary(rep: Report) -> tuple[str, bool]:
         f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({platform.machine()}, {cpus} CPUs, no GPU)"
         if not _cuda() else f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({_cuda()})",
         f"load average at start {rep.loadavg_start[0]:.2f}" + (" (the machine was shared and busy)" if busy else ""),
-        f"model {Path(rep.model).name}, skipper `{rep.skipper}`; rate: {rep.rate_source}",
+        f"model {Path(rep.model).name}, skipper `{rep.skipper}`"
+        + (f", server OMP_NUM_THREADS={rep.threads}" if rep.threads else "") + f"; rate: {rep.rate_source}",
         "",
         "| requests | sent | completed | cancelled (client left mid-stream) | failed |",
         "|---|---|---|---|---|",
@@ -469,9 +476,12 @@ def main(argv=None) -> None:
     ap.add_argument("--knee-from", help="results.json of the serving benchmark: offer 2x its knee")
     ap.add_argument("--duration", type=float, default=600, help="seconds of offered load (default 600)")
     ap.add_argument("--quick", action="store_true", help="2 minutes of load instead of 10")
-    ap.add_argument("--probe-every", type=float, help="seconds between probe rounds (default duration / 8)")
+    ap.add_argument("--probe-every", type=float, help="seconds between probe rounds (default duration / 4)")
     ap.add_argument("--drain-limit", type=float,
-                    help="seconds after the load ends that the backlog may take (default 2x duration + 300)")
+                    help="seconds after the load ends that the backlog may take (default 4x duration + 300)")
+    ap.add_argument("--threads", type=int,
+                    help="OMP_NUM_THREADS for the server (default: torch's own choice; on a CPU shared with other "
+                         "busy processes, give the number of free cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/soak", help="server log, summary.md and outcomes.json go here")
     args = ap.parse_args(argv)
@@ -481,8 +491,10 @@ def main(argv=None) -> None:
         ap.error(f"--rate must be > 0, got {args.rate}")
     if args.knee_from and not Path(args.knee_from).is_file():
         ap.error(f"--knee-from {args.knee_from}: no such file")
-    args.probe_every = args.probe_every or args.duration / 8
-    args.drain_limit = args.drain_limit if args.drain_limit is not None else 2 * args.duration + 300
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    args.probe_every = args.probe_every or args.duration / 4
+    args.drain_limit = args.drain_limit if args.drain_limit is not None else 4 * args.duration + 300
     from vskipper.skippers import parse_skipper
 
     try:
