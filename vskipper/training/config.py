@@ -99,5 +99,6 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: tuple(v) if k == "layers" else v for k, v in d.items() if k in known})
 
-    # fields a resumed run may change without changing what the earlier steps computed
-    RESUMABLE_CHANGES = ("steps", "save_every", "log_every")
+    # fields a resumed run may change: they leave what the earlier steps computed as it was
+    # (steps reshapes the rest of the cosine schedule, target_skip moves the penalty's goal)
+    RESUMABLE_CHANGES = ("steps", "save_every", "log_every", "target_skip")

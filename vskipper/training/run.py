@@ -100,3 +100,31 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
                 shutil.copy2(model_dir / name, out / name)
     log(f"wrote {out} (skipper alone in {out / 'skipper'})")
     return trainer
+
+
+def export_state(out_dir, dest=None, model_dir=None) -> Path:
+    """Write the skipper of the latest saved training state in `out_dir` (a run in progress or
+    stopped) as a skipper directory (default: out_dir/skipper-step<N>)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from vskipper.models.smollm2 import smollm2_dir
+    from vskipper.training.loop import STATE_JSON, STATE_TENSORS
+    from vskipper.training.shipped import write_skipper_dir
+
+    out = Path(out_dir)
+    meta = json.loads((out / "state" / STATE_JSON).read_text())
+    cfg = TrainConfig.from_dict(meta["config"])
+    model_config = AutoConfig.from_pretrained(str(Path(model_dir) if model_dir else smollm2_dir()))
+
+    class _Shape:  # make_skipper reads only model.config
+        config = model_config
+
+    skipper = make_skipper(_Shape, cfg)
+    tensors = load_file(str(out / "state" / STATE_TENSORS))
+    with torch.no_grad():
+        for name, p in skipper.named_parameters():
+            p.copy_(tensors[f"skipper.{name}"])
+    dest = Path(dest) if dest else out / f"skipper-step{meta['step']}"
+    return write_skipper_dir(dest, skipper, model_config,
+                             vskipper_training={**cfg.to_dict(), "steps_done": meta["step"]})
