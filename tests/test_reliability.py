@@ -5,11 +5,9 @@
   reference-equal greedy tokens and counts those rows as "nonfinite";
 - bad input at the serving boundary: a clear 400 naming the problem, then the server keeps
   answering correctly;
-- security: the HTTP socket is bound to 127.0.0.1 only;
+- security: the HTTP socket is bound to 127.0.0.1 only, and no process of the server listens on
+  all interfaces;
 - the soak's (bench/soak.py) request mix and its checks, without a server: each check can fail.
-
-Tests marked xfail(strict=True) record defects found here that live outside these files (see
-their reasons): they fail loudly (XPASS) once fixed, so the marker can go.
 """
 from __future__ import annotations
 
@@ -333,15 +331,15 @@ def test_empty_prompt_is_refused_and_the_server_keeps_answering(served):
 
 
 @pytest.mark.sglang
-@pytest.mark.xfail(strict=True, reason=(
-    "SGLang 0.5.23 (upstream too, without vskipper): an empty prompt inside a batch is accepted and "
-    "answered with another request's logits. GenerateReqInput._determine_batch_size "
-    "(sglang/srt/managers/io_struct.py) rejects only an empty outer list. Fix for vskipper: a BEFORE hook on "
-    "TokenizerManager._validate_one_request in vskipper/integrations/sglang/plugin.py"))
 def test_empty_prompt_inside_a_batch_is_refused(served):
+    """SGLang 0.5.23 alone answers it with the logits of the request before it
+    (GenerateReqInput._determine_batch_size rejects only an empty outer list); the plugin's check
+    before TokenizerManager._validate_one_request refuses it."""
     srv, expected = served
     msg = post_error(srv.url, {"input_ids": [[3, 4], []], "sampling_params": sampling(4)})
-    assert "empty" in msg, msg
+    assert "empty prompt" in msg, msg
+    assert_healthy(srv.url)
+    assert_answers(srv.url, probes(), expected)
 
 
 @pytest.mark.sglang
@@ -362,13 +360,9 @@ def test_http_socket_is_bound_to_loopback_only(served):
 
 
 @pytest.mark.sglang
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.distributed's TCPStore, created by SGLang's init_process_group (tcp://127.0.0.1:<nccl port>, "
-    "sglang/srt/distributed/bootstrap.py _resolve_dist_init_method), listens on '::' (all interfaces) "
-    "whatever host it is given; upstream SGLang does the same. Fix for vskipper serve "
-    "(vskipper/cli.py serve_command): with one rank, set SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE="
-    "file://<fresh temp file> (checked by hand: serves, no wildcard listener)"))
 def test_no_server_process_listens_on_all_interfaces(served):
+    """SGLang's one-rank init_process_group(tcp://127.0.0.1:<port>) makes a torch TCPStore that
+    listens on '::' whatever host it is given; `vskipper serve` rendezvouses through a file instead."""
     srv, _ = served
     tree = [psutil.Process(srv.proc.pid)] + psutil.Process(srv.proc.pid).children(recursive=True)
     wild = [(p.name(), c.laddr) for p in tree for c in p.net_connections(kind="inet")
@@ -377,19 +371,19 @@ def test_no_server_process_listens_on_all_interfaces(served):
 
 
 @pytest.mark.sglang
-@pytest.mark.xfail(strict=True, reason=(
-    "SGLang 0.5.23 (upstream too, without vskipper) does not range-check input_ids: an id >= vocab_size "
-    "raises IndexError in the scheduler's embedding and the whole server exits, dropping every request. "
-    "Missing check: TokenizerManager._validate_one_request (sglang/srt/managers/tokenizer_manager.py). "
-    "Fix for vskipper: a BEFORE hook on it in vskipper/integrations/sglang/plugin.py. "
-    "Runs last in this module: today it kills the module's server"))
-def test_zz_out_of_vocabulary_token_id_is_refused_and_the_server_keeps_answering(served):
+def test_out_of_vocabulary_token_ids_are_refused_and_the_server_keeps_answering(served):
+    """SGLang 0.5.23 alone does not range-check input_ids: an id >= vocab_size raised IndexError in
+    the scheduler's embedding, and the whole server exited with every request in flight. Last in
+    this module, so that a regression shows here and not as a dead server in the tests after it."""
     srv, expected = served
-    try:
-        msg = post_error(srv.url, {"input_ids": [1, VOCAB + 5000, 3], "sampling_params": sampling(4)})
-    except requests.RequestException as e:
-        pytest.fail(f"the server died on an out-of-vocabulary token id: {e!r}")
-    assert str(VOCAB + 5000) in msg, msg
+    for bad in (VOCAB, VOCAB + 5000, -4):
+        try:
+            msg = post_error(srv.url, {"input_ids": [1, bad, 3], "sampling_params": sampling(4)})
+        except requests.RequestException as e:
+            pytest.fail(f"the server died on token id {bad}: {e!r}")
+        assert f"[{bad}]" in msg and f"vocabulary [0, {VOCAB})" in msg, msg
+    msg = post_error(srv.url, {"input_ids": [[1, 2], [3, VOCAB]], "sampling_params": sampling(4)})
+    assert f"[{VOCAB}]" in msg, msg
     assert_healthy(srv.url)
     assert_answers(srv.url, probes(), expected)
 
