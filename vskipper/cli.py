@@ -14,6 +14,29 @@ CPU_DEFAULTS = {  # SGLang flags for a machine without a GPU (FACTS.md), unless 
 }
 
 
+MULTI_RANK_FLAGS = ("--tp", "--tp-size", "--dp", "--dp-size", "--pp", "--pp-size", "--nnodes", "--dist-init-addr")
+
+
+def private_rendezvous(env: dict) -> None:
+    """One rank: torch.distributed rendezvous through a private file instead of a TCPStore, which
+    listens on every interface whatever host SGLang gives it. The file is named after the process
+    that becomes the server (this one, after exec); files of dead servers are removed here."""
+    if "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE" in env:
+        return
+    import tempfile
+    from pathlib import Path
+
+    import psutil
+
+    d = Path(tempfile.gettempdir()) / "vskipper-dist"
+    d.mkdir(exist_ok=True)
+    for f in d.glob("store-*"):
+        pid = f.name.removeprefix("store-")
+        if not (pid.isdigit() and psutil.pid_exists(int(pid))):
+            f.unlink(missing_ok=True)
+    env["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"] = f"file://{d / f'store-{os.getpid()}'}"
+
+
 def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
@@ -54,6 +77,8 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
         if arch in DD_ARCHITECTURES and settings.skipper_spec:
             _fail(f"{model_path} is a skip-aware checkpoint ({arch}) with its own skipper; drop --skipper")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+    if not any(_has_flag(sglang_args, f) for f in MULTI_RANK_FLAGS):
+        private_rendezvous(env)
     if not _has_flag(sglang_args, "--host"):
         cmd += ["--host", "127.0.0.1"]
     if not torch.cuda.is_available():

@@ -63,6 +63,8 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{system.name}.log"
     log = open(log_path, "w")
+    env["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"] = f"file://{log_dir.resolve() / f'dist-store-{port}'}"
+    (log_dir / f"dist-store-{port}").unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(system, port, proc, log_path)
     t0 = time.time()

@@ -8,6 +8,7 @@ import logging
 logger = logging.getLogger("vskipper")
 
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 _registered = False
 
 
@@ -29,7 +30,24 @@ def register() -> None:
         except ValueError:  # already registered in this process
             pass
     HookRegistry.register(LOAD_MODEL, after_load_model, HookType.AFTER)
+    HookRegistry.register(VALIDATE, validate_token_ids, HookType.BEFORE)
     _registered = True
+
+
+def validate_token_ids(manager, obj, input_ids, *args, **kwargs):
+    """Refuse, with a clear error (HTTP 400), the inputs SGLang 0.5.23 lets through: an empty
+    prompt inside a batch (answered with another request's logits) and token ids outside the
+    vocabulary (an IndexError that takes the whole scheduler down)."""
+    if getattr(obj, "input_embeds", None) is not None or input_ids is None:
+        return None
+    if len(input_ids) == 0:
+        raise ValueError("empty prompt: a request needs at least one input token")
+    vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+    if vocab is not None:
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return None
 
 
 def after_load_model(result, runner, *args, **kwargs):
