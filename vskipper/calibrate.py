@@ -61,15 +61,20 @@ class LayerBench:
         return h, x, g, run, valid, ops.route_maps(run, valid), ctx
 
     @torch.no_grad()
-    def time(self, body: str, args, sync) -> float:
+    def time(self, body: str, args, sync, inner: int = 3) -> float:
+        """Mean ms of `inner` back-to-back decode steps of `body` (each step's appended token is
+        dropped from the cache again, outside the timed region)."""
         h, x, g, run, valid, maps, ctx = args
         self.body.body = body
-        sync()
-        t0 = time.perf_counter()
-        self.body(h, x, g, run, valid, maps, **ctx)
-        sync()
-        ctx["past_key_values"].crop(-1)  # drop the token this step appended
-        return (time.perf_counter() - t0) * 1e3
+        total = 0.0
+        for _ in range(inner):
+            sync()
+            t0 = time.perf_counter()
+            self.body(h, x, g, run, valid, maps, **ctx)
+            sync()
+            total += time.perf_counter() - t0
+            ctx["past_key_values"].crop(-1)
+        return total / inner * 1e3
 
 
 def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", ts=cost.GRID_T,

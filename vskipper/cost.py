@@ -159,20 +159,30 @@ class AutoBody:
         self.fraction: float | None = None
         self.current: str | None = None
         self._host = None  # pinned copy of the last counts (accelerators)
+        self._memo: dict[tuple, str] = {}  # (T, RUN count or percent, current) -> body: a dict hit per step
+
+    def _decide(self, T: int, key: int, f: float) -> str:
+        memo_key = (T, key, self.current)
+        body = self._memo.get(memo_key)
+        if body is None:
+            if len(self._memo) > 4096:  # prefill sizes vary without bound: keep the memo small
+                self._memo.clear()
+            body = self._memo[memo_key] = self.cal.choose(T, f, self.current, self.margin)
+        self.current = body
+        return body
 
     def choose(self, T: int, counts: torch.Tensor) -> str:
         if counts.device.type == "cpu":
-            f = float(counts[0]) / max(T, 1)
+            n = int(counts[0])
+            return self._decide(T, n, n / max(T, 1))
+        if self._host is not None:
+            seen = float(self._host[0]) / max(T, 1)
+            self.fraction = seen if self.fraction is None else self.alpha * seen + (1 - self.alpha) * self.fraction
         else:
-            if self._host is not None:
-                seen = float(self._host[0]) / max(T, 1)
-                self.fraction = seen if self.fraction is None else self.alpha * seen + (1 - self.alpha) * self.fraction
-            else:
-                self._host = torch.zeros(2, dtype=counts.dtype, pin_memory=True)
-            self._host.copy_(counts, non_blocking=True)
-            f = 0.5 if self.fraction is None else self.fraction
-        self.current = self.cal.choose(T, f, self.current, self.margin)
-        return self.current
+            self._host = torch.zeros(2, dtype=counts.dtype, pin_memory=True)
+        self._host.copy_(counts, non_blocking=True)
+        f = 0.5 if self.fraction is None else self.fraction
+        return self._decide(T, round(f * 100), f)
 
 
 _warned: set[str] = set()
