@@ -3,7 +3,7 @@
   (b) the skipper's own kind of eager loop: every row computes attention, MLP and adapter,
       per-token masks select (vskipper's dense-masked body, which is how FlexiDepth's reference
       code runs it);
-  (c) vskipper.transform with the routed body.
+  (c) vskipper.transform (default: execution="auto", the calibrated cost model; --execution).
 Interleaved repeats, median; one markdown table."""
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--execution", default="auto", choices=["auto", "dense", "routed"])
     args = ap.parse_args(argv)
     path = str(smollm2_dir())
     tok = AutoTokenizer.from_pretrained(path)
@@ -37,8 +38,8 @@ def main(argv=None) -> None:
         "(a) base": base,
         "(b) eager masked skipper": vskipper.transform(copy.deepcopy(base), vskipper.parse_skipper(args.skipper),
                                                        vskipper.Config(execution="dense")),
-        "(c) vskipper routed": vskipper.transform(copy.deepcopy(base), vskipper.parse_skipper(args.skipper),
-                                                  vskipper.Config(execution="routed")),
+        "(c) vskipper": vskipper.transform(copy.deepcopy(base), vskipper.parse_skipper(args.skipper),
+                                           vskipper.Config(execution=args.execution)),
     }
     prompts = [r["prompt"] for r in load("prompts")]
     print(f"SmolLM2-135M-Instruct, skipper {args.skipper}, {args.new_tokens} new tokens, {torch.get_num_threads()} "
