@@ -97,6 +97,9 @@ def route_maps(run_mask: Tensor, valid: Optional[Tensor] = None) -> tuple[Tensor
     run_mask = run_mask.reshape(-1).contiguous()
     if valid is not None:
         valid = valid.reshape(-1).contiguous()
+    if run_mask.device.type == "cpu" and implementation(run_mask.device) == "torch" and not torch.compiler.is_compiling():
+        # eager CPU serving: the custom op's dispatch costs more than the op itself (T small); same function
+        return _kernels("route_maps").reference(run_mask, valid)
     return _route_maps(run_mask, valid)
 
 

@@ -121,5 +121,4 @@ class RouteCounter(nn.Module):
         self.register_buffer("counts", torch.zeros(4, dtype=torch.int64), persistent=False)
 
     def forward(self, run: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor) -> None:
-        r = run & valid
-        self.counts += torch.stack([valid.sum(), r.sum(), (valid & ~run).sum(), (nonfinite & valid).sum()])
+        self.counts += torch.stack([valid, run & valid, valid & ~run, nonfinite & valid]).reshape(4, -1).sum(1)

@@ -1,11 +1,12 @@
 """RandomSkip and Static: skippers with no learned weights.
 
 RandomSkip decides per (seed, layer, position, token id) with an integer hash, so a token's
-route never depends on what else is in the batch. All arithmetic stays below 2**49 in int64
-(16-bit halves), so CPU and GPU give the same bits with no overflow anywhere.
+route never depends on what else is in the batch. All arithmetic stays below 2**63 in int64
+(see _mix32), so CPU and GPU give the same bits with no overflow anywhere.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -16,40 +17,61 @@ from vskipper.skippers.base import Skipper
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), without int64 overflow."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+def _mul32_int(x: int, c: int) -> int:
+    return (x * c) & _M32
+
+
+def _mix32_int(x: int) -> int:
+    """lowbias32 on a Python int (for the constant part of the hash)."""
+    x ^= x >> 16
+    x = _mul32_int(x, 0x7FEB352D)
+    x ^= x >> 15
+    x = _mul32_int(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+# (x * c) mod 2**32 for x in [0, 2**32) in int64 without overflow: for c >= 2**31 multiply by
+# c - 2**32 instead (same residue, |product| < 2**63); the mask takes the residue of either sign.
+_C1, _C2 = 0x7FEB352D, 0x846CA68B - (1 << 32)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 (Wellons): a well-mixed 32-bit hash, on int64 tensors holding 32-bit values."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = (x * _C1) & _M32
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = (x * _C2) & _M32
     return x ^ (x >> 16)
+
+
+def _layer_key(seed: int, layer: int) -> int:
+    return _mix32_int(_mix32_int(seed & _M32) ^ (layer & _M32))
+
+
+def _hash32(key: int, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    h = _mix32((positions.to(torch.int64) & _M32) ^ key)
+    return _mix32(h ^ (token_ids.to(torch.int64) & _M32))
 
 
 def hash_uniform(seed: int, layer: int, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """A pure function of (seed, layer, position, token id) -> u in [0, 1), float32, shape of positions."""
-    h = _mix32(torch.full_like(positions, seed & _M32, dtype=torch.int64))
-    h = _mix32(h ^ (layer & _M32))
-    h = _mix32(h ^ (positions.to(torch.int64) & _M32))
-    h = _mix32(h ^ (token_ids.to(torch.int64) & _M32))
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    return (_hash32(_layer_key(seed, layer), positions, token_ids) >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
 class RandomSkipRouter(nn.Module):
     def __init__(self, rate: float, layer: int, seed: int) -> None:
         super().__init__()
         self.rate, self.layer, self.seed = rate, layer, seed
+        self._key = _layer_key(seed, layer)
+        # u >= rate with u = (h >> 8) / 2**24 in float32 and rate rounded to float32 (how torch
+        # compares a float32 tensor with a Python float) <=> h >= ceil(f32(rate) * 2**24) * 2**8:
+        # the same decisions as hash_uniform with three fewer ops per layer.
+        self._cut = math.ceil(float(torch.tensor(rate, dtype=torch.float32)) * (1 << 24)) << 8
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         if positions is None or token_ids is None:
             raise ValueError("RandomSkip needs token ids and positions; it cannot route inputs_embeds alone")
-        u = hash_uniform(self.seed, self.layer, positions, token_ids)
-        return (u >= self.rate).to(x.dtype)  # [T]: 1 = RUN, 0 = skip
+        return (_hash32(self._key, positions, token_ids) >= self._cut).to(x.dtype)  # [T]: 1 = RUN, 0 = skip
 
     def extra_repr(self) -> str:
         return f"rate={self.rate}, layer={self.layer}, seed={self.seed}"

@@ -129,19 +129,12 @@ def launch(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
     return run_rows, project_rows, counts
 
 
-def _partition(member: torch.Tensor) -> torch.Tensor:
-    """Stable partition of 0..T-1: members ascending, then the rest ascending. [T] bool -> [T] int32."""
-    m = member.to(torch.int64)
-    before = torch.cumsum(m, 0) - m  # members before each row
-    idx = torch.arange(member.shape[0], device=member.device)
-    pos = torch.where(member, before, m.sum() + idx - before)
-    return torch.empty_like(idx, dtype=torch.int32).scatter_(0, pos, idx.to(torch.int32))
-
-
 def reference(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
-    """The same maps in plain torch: fixed shapes, no host sync, deterministic (unique scatter)."""
+    """The same maps in plain torch: fixed shapes, no host sync, deterministic (a stable sort puts
+    each map's members first, both in ascending order)."""
     check(run_mask, valid)
     run = run_mask if valid is None else run_mask & valid
     proj = ~run_mask if valid is None else ~run_mask & valid
-    counts = torch.stack([run.sum(), proj.sum()]).to(torch.int32)
-    return _partition(run), _partition(proj), counts
+    counts = torch.stack([run, proj]).sum(1, dtype=torch.int32)
+    return (torch.argsort(~run, stable=True).to(torch.int32), torch.argsort(~proj, stable=True).to(torch.int32),
+            counts)
