@@ -196,8 +196,16 @@ def test_spec_strings():
     ("random:rate=0.5,layers=1,seed=-2", "seed=-2 must be an integer >= 0"),
     ("random:0.5", "item '0.5' is not key=value"),
     ("flexidepth:path=/nonexistent/dir", "does not exist"),
+    ("flexidepth:name=nope", r"no shipped skipper 'nope'; shipped: \['smollm2-135m-flexidepth'\]"),
+    ("flexidepth:gate=hard", "exactly one of path=DIR or name=SHIPPED"),
+    ("flexidepth:path=/x,name=y", "exactly one of path=DIR or name=SHIPPED"),
 ])
 def test_bad_spec_strings(spec, msg):
     with pytest.raises(ValueError, match=msg) as e:
         vskipper.parse_skipper(spec)
     assert "skipper spec" in str(e.value)
+
+
+def test_shipped_skipper_by_name():
+    sk = vskipper.parse_skipper("flexidepth:name=smollm2-135m-flexidepth")
+    assert isinstance(sk, vskipper.FlexiDepth) and list(sk.layers) == list(range(15, 30)) and sk.gate == "soft"

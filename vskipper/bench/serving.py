@@ -2,7 +2,8 @@
 
 1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
    nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
-   skipper under test), all with --sleep-on-idle so idle ones stay off the CPU;
+   skipper under test; on the bundled SmolLM2-135M also vskipper-trained, the FlexiDepth skipper
+   shipped for it), all with --sleep-on-idle so idle ones stay off the CPU;
 2. find the knee of upstream's load curve: the last offered rate whose output throughput still
    grows by >= 1% (rates are fractions of upstream's saturated capacity);
 3. run every system at 0.75x, 1x, 1.25x the knee and at saturation, with the same seeded Poisson
@@ -26,6 +27,7 @@ from vskipper.bench.load import Result, poisson_schedule, run_load, throughput
 from vskipper.bench.servers import System, start, stop
 
 KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)
+QUICK_KNEE_FRACTIONS = (0.4, 0.7, 1.0, 1.3)
 LOADS = (0.75, 1.0, 1.25, math.inf)  # multiples of the knee; inf = saturation
 
 
@@ -35,6 +37,7 @@ class Settings:
     max_new_tokens: int
     repeats: int
     seed: int
+    knee_fractions: tuple[float, ...] = KNEE_FRACTIONS
 
 
 def log(msg: str) -> None:
@@ -60,7 +63,7 @@ def find_knee(server, ps: list[str], s: Settings) -> tuple[float, list[tuple[flo
     capacity = throughput(sat) / s.max_new_tokens  # req/s at saturation
     log(f"upstream saturated throughput {throughput(sat):.1f} tok/s = {capacity:.2f} req/s")
     curve, knee = [], None
-    for f in KNEE_FRACTIONS:
+    for f in s.knee_fractions:
         rate = f * capacity
         tp = throughput(run_load(server.url, poisson_schedule(ps, rate, s.requests, s.max_new_tokens, s.seed + 1)))
         log(f"  knee search: {rate:.2f} req/s -> {tp:.1f} tok/s")
@@ -162,14 +165,16 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="vskipper bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct, which also "
+                                         "runs its shipped trained skipper as vskipper-trained)")
     ap.add_argument("--skipper", default=None,
                     help="skipper spec under test (default: random:rate=0.5 over the second half of the layers)")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="fewer requests and one repeat: under 10 minutes on 2 CPUs")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer requests, a coarser knee search and one repeat: under 10 minutes on 2 CPUs")
     ap.add_argument("--out", default="out/bench-serve")
     args = ap.parse_args(argv)
     if args.quick:
@@ -178,17 +183,24 @@ def main(argv=None) -> None:
     from vskipper.skippers import parse_skipper
 
     model = args.model_path
+    trained = None
     if model is None:
         from vskipper.models.smollm2 import smollm2_dir
+        from vskipper.training.shipped import DEFAULT
 
         model = str(smollm2_dir())
+        trained = f"flexidepth:name={DEFAULT}"  # trained for exactly this model
     n = read_config(model)["num_hidden_layers"]
     layers = f"{n // 2}-{n - 1}"
     spec = args.skipper or f"random:rate=0.5,layers={layers},seed=0"
     parse_skipper(spec)  # fail now, not after the servers started
     systems = [System("upstream", model), System("vskipper-rate0", model, f"random:rate=0,layers={layers}"),
                System("vskipper", model, spec)]
-    text = run(systems, Settings(args.requests, args.max_new_tokens, args.repeats, args.seed), Path(args.out))
+    if trained is not None and args.skipper is None:
+        systems.append(System("vskipper-trained", model, trained))
+    settings = Settings(args.requests, args.max_new_tokens, args.repeats, args.seed,
+                        QUICK_KNEE_FRACTIONS if args.quick else KNEE_FRACTIONS)
+    text = run(systems, settings, Path(args.out))
     print(text)
     print(f"plot: {Path(args.out) / 'latency_vs_load.png'}")
 

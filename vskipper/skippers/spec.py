@@ -3,6 +3,7 @@
     random:rate=0.5,layers=15-29,seed=0     RandomSkip
     static:layers=20,22,24-27               Static
     flexidepth:path=/ckpt[,gate=hard]       FlexiDepth.from_pretrained(path)
+    flexidepth:name=smollm2-135m-flexidepth a skipper shipped in the package (vskipper/data/skippers/)
 
 Layer lists take single indices and inclusive ranges `a-b`; a bare item after `layers=`
 continues the list. Every error is a ValueError naming the spec and the bad field.
@@ -14,9 +15,9 @@ from vskipper.skippers.base import Skipper
 KINDS = {
     "random": ("rate", "layers", "seed"),
     "static": ("layers",),
-    "flexidepth": ("path", "gate"),
+    "flexidepth": ("path", "name", "gate"),
 }
-REQUIRED = {"random": ("rate", "layers"), "static": ("layers",), "flexidepth": ("path",)}
+REQUIRED = {"random": ("rate", "layers"), "static": ("layers",), "flexidepth": ()}
 
 
 MAX_LAYER = 4096  # no model has more layers; bounds what a spec can make us allocate
@@ -76,6 +77,8 @@ def split_spec(spec: str) -> tuple[str, dict[str, str]]:
     missing = [k for k in REQUIRED[kind] if k not in fields]
     if missing:
         raise ValueError(f"skipper spec {spec!r}: missing field(s) {missing} for {kind}")
+    if kind == "flexidepth" and ("path" in fields) == ("name" in fields):
+        raise ValueError(f"skipper spec {spec!r}: flexidepth needs exactly one of path=DIR or name=SHIPPED")
     return kind, fields
 
 
@@ -101,6 +104,10 @@ def parse_skipper(spec: str) -> Skipper:
             )
         if kind == "static":
             return Static(parse_layers(f["layers"], spec))
+        if "name" in f:
+            from vskipper.training.shipped import shipped_dir
+
+            return FlexiDepth.from_pretrained(str(shipped_dir(f["name"])), gate=f.get("gate"))
         return FlexiDepth.from_pretrained(f["path"], gate=f.get("gate"))
     except ValueError as e:
         if str(e).startswith("skipper spec"):
