@@ -28,9 +28,10 @@ import pytest
 import torch
 
 import vskipper
-from vskipper.bench import soak
+from vskipper.bench import soak_traffic
 from vskipper.bench.servers import free_port
-from vskipper.bench.soak import Job, Outcome, Report, summary
+from vskipper.bench.soak import Report, summary
+from vskipper.bench.soak_traffic import Job, Outcome
 from vskipper.models.hf_loader import save_checkpoint
 from vskipper.reference import reference_generate
 
@@ -391,19 +392,19 @@ def test_out_of_vocabulary_token_ids_are_refused_and_the_server_keeps_answering(
 # --- the soak, without a server ------------------------------------------------------------------
 def test_soak_mix_is_seeded_poisson_with_every_kind_of_request():
     prompts = [f"prompt {i}." for i in range(50)]
-    jobs = soak.mixed_jobs(prompts, rate=2.0, duration=300, seed=0)
-    assert jobs == soak.mixed_jobs(prompts, rate=2.0, duration=300, seed=0)
-    assert jobs != soak.mixed_jobs(prompts, rate=2.0, duration=300, seed=1)
+    jobs = soak_traffic.mixed_jobs(prompts, rate=2.0, duration=300, seed=0)
+    assert jobs == soak_traffic.mixed_jobs(prompts, rate=2.0, duration=300, seed=0)
+    assert jobs != soak_traffic.mixed_jobs(prompts, rate=2.0, duration=300, seed=1)
     assert abs(len(jobs) - 600) < 4 * math.sqrt(600), len(jobs)
     assert all(0 <= j.arrival < 300 for j in jobs) and [j.arrival for j in jobs] == sorted(j.arrival for j in jobs)
-    for kind, share in soak.KINDS.items():
+    for kind, share in soak_traffic.KINDS.items():
         assert abs(sum(j.kind == kind for j in jobs) / len(jobs) - share) < 0.07, kind
     long = [j for j in jobs if j.prompt not in prompts]
-    assert abs(len(long) / len(jobs) - soak.LONG_FRACTION) < 0.07
-    assert all(j.prompt.count("prompt") >= soak.LONG_PARTS[0] for j in long)
-    assert {j.max_new_tokens for j in jobs} == set(soak.NEW_TOKENS)
+    assert abs(len(long) / len(jobs) - soak_traffic.LONG_FRACTION) < 0.07
+    assert all(j.prompt.count("prompt") >= soak_traffic.LONG_PARTS[0] for j in long)
+    assert {j.max_new_tokens for j in jobs} == set(soak_traffic.NEW_TOKENS)
     assert all(1 <= j.cancel_after <= j.max_new_tokens // 2 for j in jobs if j.kind == "disconnect")
-    probes = soak.probe_jobs(soak.probe_set(prompts), duration=120, every=30)
+    probes = soak_traffic.probe_jobs(soak_traffic.probe_set(prompts), duration=120, every=30)
     assert sorted({j.arrival for j in probes}) == [15, 45, 75, 105] and len(probes) == 4 * 6
 
 

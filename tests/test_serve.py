@@ -64,7 +64,7 @@ def test_serve_bundled_model_openai_completion_and_clean_shutdown(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            rc = proc.wait(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("server did not shut down within 60 s of SIGTERM")

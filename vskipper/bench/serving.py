@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vskipper.bench.load import Result, poisson_schedule, run_load, throughput
+from vskipper.bench.load import poisson_schedule, run_load, throughput
 from vskipper.bench.servers import System, start, stop
 
 KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)

@@ -64,5 +64,5 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     )
 
 
-from vskipper.models import hf as _hf  # noqa: E402  (registers the transformers families)
+from vskipper.models import hf as _hf  # noqa: E402,F401  (registers the transformers families)
 from vskipper.models import sglang as _sg  # noqa: E402,F401  (SGLang families; SGLang imported only when a model comes from it)
