@@ -111,7 +111,7 @@ def plot(results: dict, systems: list[System], loads: list[tuple[str, float]], p
     for sysm in systems:
         ms, cis = zip(*[mean_ci([x.e2e for run in results[label][sysm.name] for x in run if x.ok]) for label, _ in loads])
         ax.errorbar(xs, ms, yerr=cis, marker="o", capsize=3, label=sysm.name)
-    ax.set_xticks(xs, [label for label, _ in loads])
+    ax.set_xticks(xs, [label.replace(" (", "\n(") for label, _ in loads], fontsize=8)
     ax.set_xlabel("offered load (req/s)")
     ax.set_ylabel("mean end-to-end latency (s)")
     ax.set_title("SGLang vs SGLang + vskipper")
