@@ -207,7 +207,7 @@ def summary(rep: Report) -> tuple[str, bool]:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({platform.machine()}, {cpus} CPUs, no GPU)"
         if not _cuda() else f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({_cuda()})",
-        f"load average at start {rep.loadavg_start[0]:.2f}" + (" (the machine was shared and busy)" if busy else ""),
+        f"load average at start {rep.loadavg_start[0]:.2f}" + (" (more than half the CPUs busy at the start)" if busy else ""),
         f"model {Path(rep.model).name}, skipper `{rep.skipper}`"
         + (f", server OMP_NUM_THREADS={rep.threads}" if rep.threads else "") + f"; rate: {rep.rate_source}",
         "",
