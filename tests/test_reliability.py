@@ -29,7 +29,7 @@ import torch
 
 import vskipper
 from vskipper.bench import soak_traffic
-from vskipper.bench.servers import free_port
+from vskipper.bench.servers import free_port, wait_healthy
 from vskipper.bench.soak import Report, summary
 from vskipper.bench.soak_traffic import Job, Outcome
 from vskipper.models.hf_loader import save_checkpoint
@@ -67,18 +67,11 @@ def launch(model: Path, log: Path, port: int | None = None, *extra: str, timeout
     env = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
     srv = Served(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True), port, log)
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if srv.proc.poll() is not None:
-            raise AssertionError(f"server exited with {srv.proc.returncode} before it was healthy:\n{srv.tail()}")
-        try:
-            if requests.get(srv.url + "/health", timeout=2).status_code == 200:
-                return srv
-        except requests.RequestException:
-            pass
-        time.sleep(1)
+    problem = wait_healthy(srv.url, srv.proc, timeout)
+    if problem is None:
+        return srv
     shutdown(srv)
-    raise AssertionError(f"server not healthy after {timeout:.0f} s:\n{srv.tail()}")
+    raise AssertionError(f"server {problem}:\n{srv.tail()}")
 
 
 def group_alive(pgid: int, wait: float = 0.0) -> list[str]:

@@ -47,8 +47,6 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
     """Launch `python -m sglang.launch_server` for `system` and wait until /health answers.
     --sleep-on-idle keeps an idle server off the CPU, so several can stay up and be measured in
     turn on a small machine."""
-    import requests
-
     port = free_port()
     env = dict(os.environ)
     env.pop("VSKIPPER_SKIPPER", None)
@@ -67,18 +65,29 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
     (log_dir / f"dist-store-{port}").unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(system, port, proc, log_path)
+    problem = wait_healthy(server.url, proc, timeout)
+    if problem is None:
+        return server
+    stop(server)
+    raise RuntimeError(f"server {system.name} {problem}; see {log_path}")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None:
+    """Wait until `url`/health answers 200: None then, else what went wrong (the process exited,
+    or the time ran out)."""
+    import requests
+
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"server {system.name} exited ({proc.returncode}); see {log_path}")
+            return f"exited with {proc.returncode} before it was healthy"
         try:
-            if requests.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return None
         except requests.RequestException:
             pass
-        time.sleep(1.5)
-    stop(server)
-    raise RuntimeError(f"server {system.name} not healthy after {timeout:.0f} s; see {log_path}")
+        time.sleep(1)
+    return f"not healthy after {timeout:.0f} s"
 
 
 def stop(server: Server) -> None:
