@@ -42,7 +42,7 @@ def trainer(base, data, init="warm", **kw):
     cfg = TrainConfig(**{"layers": LAYERS, "steps": 12, "batch_size": 4, "lr": 3e-3, "warmup": 2, "log_every": 100,
                          "init": init, **kw})
     torch.manual_seed(cfg.seed)
-    sk = make_skipper(base, cfg)
+    sk = make_skipper(base.config, cfg)
     if init == "warm":
         warm_start(sk, base, data, cfg.seed)
     return Trainer(base, sk, data, cfg)

@@ -28,9 +28,8 @@ STATE_TENSORS = "state.safetensors"
 STATE_JSON = "state.json"
 
 
-def make_skipper(model: nn.Module, cfg: TrainConfig) -> FlexiDepth:
-    """A FlexiDepth skipper for `model` under `cfg` (ValueError naming a bad layer)."""
-    c = model.config
+def make_skipper(c, cfg: TrainConfig) -> FlexiDepth:
+    """A FlexiDepth skipper for a model with config `c` under `cfg` (ValueError naming a bad layer)."""
     n = c.num_hidden_layers
     bad = [l for l in cfg.layers if l >= n]
     if bad:

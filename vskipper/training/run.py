@@ -47,7 +47,7 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    skipper = make_skipper(model, cfg)  # ValueError for a layer the model does not have
+    skipper = make_skipper(model.config, cfg)  # ValueError for a layer the model does not have
     train_set, heldout = split_prompts(load("prompts"))
     log(f"prompts: {len(train_set)} for training, {len(heldout)} held out (ids with number % 5 == 0)")
     cache = cache_root() / "training"
@@ -116,11 +116,7 @@ def export_state(out_dir, dest=None, model_dir=None) -> Path:
     meta = json.loads((out / "state" / STATE_JSON).read_text())
     cfg = TrainConfig.from_dict(meta["config"])
     model_config = AutoConfig.from_pretrained(str(Path(model_dir) if model_dir else smollm2_dir()))
-
-    class _Shape:  # make_skipper reads only model.config
-        config = model_config
-
-    skipper = make_skipper(_Shape, cfg)
+    skipper = make_skipper(model_config, cfg)
     tensors = load_file(str(out / "state" / STATE_TENSORS))
     with torch.no_grad():
         for name, p in skipper.named_parameters():
