@@ -1,12 +1,15 @@
 """Regret of Config(execution="auto"): for each batch size T and RUN fraction f, one routed
 layer's decode step timed with the dense-masked body, the routed body and auto, side by side
-(interleaved repeats, medians); regret = auto / min(dense, routed) - 1.
+in rounds of random order (calibrate.side_by_side); regret = auto / min(dense, routed) - 1, each
+ratio the median over rounds of the two bodies' times in the same round. The ms columns are lower
+quartiles.
 
 Uses this device's calibration (`vskipper calibrate`), measuring it first if there is none.
 Prints a markdown table and a last line `max_regret=<x> median_regret=<y>`."""
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -14,10 +17,11 @@ import time
 import torch
 
 from vskipper import cost
-from vskipper.calibrate import LayerBench, measure
+from vskipper.calibrate import LayerBench, lower_quartile, measure, paired_ratio, repeats_at, side_by_side
 
 TS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FS = (0.1, 0.3, 0.5, 0.7, 0.9)
+BODIES = ("dense", "routed", "auto")
 
 
 def main(argv=None) -> None:
@@ -35,32 +39,28 @@ def main(argv=None) -> None:
     bench = LayerBench(H, I, nh, kvh, torch.device(device))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows, regrets, choice = [], [], []
+    rng = random.Random(0)
     t0 = time.perf_counter()
     for T in TS:
         for f in FS:
-            args_ = bench.inputs(T, f)
             auto = cost.AutoBody(cal)
             bench.body.chooser = auto
-            for b in ("dense", "routed", "auto"):
-                bench.time(b, args_, sync)
-            samples = {b: [] for b in ("dense", "routed", "auto")}
-            order = ["dense", "routed", "auto"]
-            for r in range(args.repeats):
-                for b in order[r % 3:] + order[:r % 3]:
-                    samples[b].append(bench.time(b, args_, sync))
-            med = {b: statistics.median(v) for b, v in samples.items()}
-            regret = med["auto"] / min(med["dense"], med["routed"]) - 1
-            regrets.append(regret)
-            choice.append(med[auto.current] / min(med["dense"], med["routed"]) - 1)  # the choice alone
-            rows.append(f"| {T} | {f} | {med['dense']:.3f} | {med['routed']:.3f} | {med['auto']:.3f} | {auto.current} | "
-                        f"{choice[-1]:+.3f} | {regret:+.3f} |")
+            s = side_by_side(bench, BODIES, bench.inputs(T, f), sync, repeats_at(T, args.repeats), rng)
+            ms = {b: lower_quartile(v) for b, v in s.items()}
+            # auto / min(dense, routed), each ratio paired round by round (slow spells cancel)
+            regrets.append(max(paired_ratio(s, "auto", "dense"), paired_ratio(s, "auto", "routed")) - 1)
+            other = "routed" if auto.current == "dense" else "dense"
+            choice.append(max(paired_ratio(s, auto.current, other), 1.0) - 1)  # the choice alone
+            rows.append(f"| {T} | {f} | {ms['dense']:.3f} | {ms['routed']:.3f} | {ms['auto']:.3f} | {auto.current} | "
+                        f"{choice[-1]:+.3f} | {regrets[-1]:+.3f} |")
         print(f"T={T} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, median of {args.repeats} interleaved repeats\n")
+    print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order "
+          f"({repeats_at(1, args.repeats)} at T=1: repeats_at); ms: lower quartiles; regrets: paired medians\n")
     print("| T | RUN fraction | dense ms | routed ms | auto ms | auto chose | choice regret | regret |\n"
           "|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    # choice regret: the time of the body auto chose (its own column) over the faster one; regret
-    # (the target's measure) also carries the noise between the auto column and that body's column
+    # choice regret: the body auto chose over the other one (0 if it is the faster); regret (the
+    # target's measure) is the auto column itself, so it also carries auto's own cost and noise
     print(f"\nmax_choice_regret={max(choice):.3f} median_choice_regret={statistics.median(choice):.3f}")
     print(f"max_regret={max(regrets):.3f} median_regret={statistics.median(regrets):.3f}")
 

@@ -4,12 +4,12 @@ would cost if PROJECT rows were free)."""
 from __future__ import annotations
 
 import argparse
-import statistics
+import random
 
 import torch
 
 from vskipper import cost
-from vskipper.calibrate import LayerBench
+from vskipper.calibrate import LayerBench, lower_quartile, paired_ratio, side_by_side
 
 TS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -25,23 +25,18 @@ def main(argv=None) -> None:
     bench = LayerBench(H, I, nh, kvh, torch.device(device))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     bodies = ["dense", "routed"] + (["auto"] if cal else [])
-    print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, median of {args.repeats} interleaved repeats"
-          + ("" if cal else "; no calibration, so no auto column (run `vskipper calibrate`)") + "\n")
+    rng = random.Random(0)
+    print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order; "
+          "dense: lower quartile; ratios: paired medians" + ("" if cal else "; no calibration, so no auto column (run `vskipper calibrate`)") + "\n")
     print("| T | RUN fraction | dense ms | routed / dense | " + ("auto / dense | " if cal else "") + "ideal |")
     print("|---|---|---|---|" + ("---|" if cal else "") + "---|")
     for T in TS:
         for f in (0.5, 0.75):
             a = bench.inputs(T, f)
             bench.body.chooser = cost.AutoBody(cal) if cal else None
-            samples = {b: [] for b in bodies}
-            for b in bodies:
-                bench.time(b, a, sync)
-            for r in range(args.repeats):
-                for b in bodies[r % len(bodies):] + bodies[:r % len(bodies)]:
-                    samples[b].append(bench.time(b, a, sync))
-            m = {b: statistics.median(v) for b, v in samples.items()}
-            cols = [f"{m['routed'] / m['dense']:.2f}"] + ([f"{m['auto'] / m['dense']:.2f}"] if cal else [])
-            print(f"| {T} | {f} | {m['dense']:.3f} | " + " | ".join(cols) + f" | {f:.2f} |")
+            s = side_by_side(bench, bodies, a, sync, args.repeats, rng)
+            cols = [f"{paired_ratio(s, b, 'dense'):.2f}" for b in bodies[1:]]
+            print(f"| {T} | {f} | {lower_quartile(s['dense']):.3f} | " + " | ".join(cols) + f" | {f:.2f} |")
 
 
 if __name__ == "__main__":

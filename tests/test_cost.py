@@ -42,6 +42,31 @@ def test_interpolation_and_hysteresis():
     assert cal.choose(8, f_cross + 0.01) == "dense"
 
 
+def test_cells_at_their_real_fraction_and_ratios_against_the_rows_dense_time():
+    # T=2 with fs (0, .3, .7, 1): 0, 1, 1 and 2 RUN rows. The f=.7 cell ran in a slow spell of the
+    # machine (both bodies 2x): its routed/dense ratio still counts, its absolute times do not.
+    ts, fs = (1, 2), (0.0, 0.3, 0.7, 1.0)
+    dense = ((1.0, 1.0, 1.0, 1.0), (2.0, 2.0, 4.0, 2.0))
+    routed = ((0.5, 0.5, 1.0, 1.0), (1.0, 1.0, 2.0, 3.0))
+    cal = cost.Calibration("x", {}, 8, 8, ts, fs, dense, routed)
+    assert cal.predict("dense", 2, 0.7) == pytest.approx(2.0)  # the row's median, whatever f
+    assert cal.predict("routed", 2, 0.5) == pytest.approx(1.0)  # n=1: cells .3 and .7 merged
+    assert cal.predict("routed", 2, 0.25) == pytest.approx(1.0)  # between n=0 (1.0) and n=1 (1.0)
+    assert cal.predict("routed", 2, 0.75) == pytest.approx(2.0)  # between n=1 (1.0) and n=2 (3.0)
+    # T=1: the cells f=0 and .3 both had 0 RUN rows, f=.7 and 1 one: fractions 0 and 1 only
+    assert cal.predict("routed", 1, 0.3) == pytest.approx(0.5 * 0.7 + 1.0 * 0.3)
+    assert cal.choose(2, 0.5) == "routed" and cal.choose(2, 1.0) == "dense"
+
+
+def test_routed_time_is_made_nondecreasing_in_the_run_fraction():
+    assert cost._nondecreasing([1.0, 3.0, 2.0, 4.0, 0.5]) == pytest.approx([1.0, 2.375, 2.375, 2.375, 2.375])
+    assert cost._nondecreasing([1.0, 2.0, 2.0]) == [1.0, 2.0, 2.0]
+    # a noisy dip at T=8: 2 RUN rows measured dearer than 4; the fit pools them
+    fs = (0.0, 0.25, 0.5, 1.0)
+    cal = cost.Calibration("x", {}, 8, 8, (4, 8), fs, ((1.0,) * 4, (2.0,) * 4), ((1.0,) * 4, (0.4, 2.2, 1.8, 2.4)))
+    assert cal.predict("routed", 8, 0.25) == pytest.approx(2.0) and cal.predict("routed", 8, 0.5) == pytest.approx(2.0)
+
+
 def test_dense_routed_auto_same_decisions_and_tokens():
     base = tiny_llama()
     sk = flexidepth_for(base, [1, 2, 3, 4, 5], gate="soft")

@@ -114,6 +114,21 @@ def test_dense_and_routed_agree_on_logits():
     assert_close(r[valid], d[valid], "routed vs dense logits")
 
 
+def test_decode_gather_reuses_one_buffer_and_equals_indexing():
+    from vskipper.models.hf import _SCRATCH, _gather_rows
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(9, 2, 7, 4, generator=g)
+    _SCRATCH.clear()
+    for n in (5, 2, 9, 3):  # grows, shrinks, grows past the first size
+        rows = torch.randperm(9, generator=g)[:n]
+        out = _gather_rows(t, rows, "k")
+        assert_equal(out, t[rows], f"gathered rows, n={n}")
+    assert len(_SCRATCH) == 1 and _SCRATCH[(t.dtype, "k")].numel() == t.numel()
+    t.requires_grad_(True)  # with autograd: plain indexing, no shared buffer
+    assert _gather_rows(t, torch.tensor([1, 0]), "k").grad_fn is not None
+
+
 def test_pass_rewrites_every_routed_layer_and_tags_nodes():
     base = tiny_llama()
     m = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "routed")

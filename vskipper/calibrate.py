@@ -3,10 +3,11 @@ device, over a grid of batch sizes and RUN fractions, and cache the table (see c
 
 The layer is a transformers Llama decoder layer of the given shape with a FlexiDepth adapter,
 timed at a decode step (one new token per sequence over a `context`-token KV cache), the two
-bodies interleaved, the median of `repeats` runs kept."""
+bodies side by side (see side_by_side)."""
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -14,6 +15,20 @@ import time
 import torch
 
 from vskipper import cost, ops
+
+
+class PoolCache:
+    """A preallocated KV cache, like a serving engine's pool: a decode step writes its token's K/V in
+    place at the last position (no allocation per step; transformers' DynamicCache concatenates,
+    and on CPU those large fresh allocations page-fault, which would time glibc, not the layer)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v  # [T, kv_heads, context + 1, d]
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        self.k[:, :, -1:].copy_(k)
+        self.v[:, :, -1:].copy_(v)
+        return self.k, self.v
 
 
 class LayerBench:
@@ -41,14 +56,11 @@ class LayerBench:
         self.gen = torch.Generator().manual_seed(seed)
 
     def inputs(self, T: int, f: float):
-        from transformers.cache_utils import DynamicCache
-
         H, d = self.cfg.hidden_size, self.cfg.hidden_size // self.cfg.num_attention_heads
-        cache = DynamicCache(config=self.cfg)
-        kv = torch.randn(T, self.cfg.num_key_value_heads, self.context, d, device=self.device, dtype=self.dtype)
-        cache.update(kv, kv.clone(), 0)
+        kv = torch.randn(T, self.cfg.num_key_value_heads, self.context + 1, d, device=self.device, dtype=self.dtype)
+        cache = PoolCache(kv, kv.clone())
         h = torch.randn(T, 1, H, device=self.device, dtype=self.dtype)
-        n_run = round(f * T)
+        n_run = cost.run_rows(T, f)
         run = torch.zeros(T, dtype=torch.bool)
         run[torch.randperm(T, generator=self.gen)[:n_run]] = True
         run = run.to(self.device).view(T, 1)
@@ -62,10 +74,13 @@ class LayerBench:
 
     @torch.no_grad()
     def time(self, body: str, args, sync, inner: int = 3) -> float:
-        """Mean ms of `inner` back-to-back decode steps of `body` (each step's appended token is
-        dropped from the cache again, outside the timed region)."""
+        """Mean ms of `inner` back-to-back decode steps of `body` (each rewrites the same cache slot),
+        after one untimed step: timing bodies side by side, the first step after another body pays
+        for the caches that body left, and which body follows which would bias the comparison
+        (measured: +10-30 us on a 0.3 ms step)."""
         h, x, g, run, valid, maps, ctx = args
         self.body.body = body
+        self.body(h, x, g, run, valid, maps, **ctx)
         total = 0.0
         for _ in range(inner):
             sync()
@@ -73,34 +88,61 @@ class LayerBench:
             self.body(h, x, g, run, valid, maps, **ctx)
             sync()
             total += time.perf_counter() - t0
-            ctx["past_key_values"].crop(-1)
         return total / inner * 1e3
 
 
+def repeats_at(T: int, repeats: int) -> int:
+    """Repeats for batch size T: more where a step is short (noise is relative, time is cheap)."""
+    return max(repeats, -(-repeats * 16 // T))
+
+
+def lower_quartile(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 4]
+
+
+def side_by_side(bench: LayerBench, bodies, args, sync, repeats: int, rng: random.Random) -> dict[str, list[float]]:
+    """Each body's times (ms) at the same inputs over `repeats` rounds; every round runs each body
+    once, in a random order (measured on this shared machine: with a fixed order, whichever body
+    follows the slowest one more often or more closely is up to 5% slower at small T, whatever it is).
+    Compare bodies by paired_ratio: the machine's slow spells last longer than a round and cancel."""
+    samples = {b: [] for b in bodies}
+    order = list(bodies)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for b in order:
+            samples[b].append(bench.time(b, args, sync))
+    return samples
+
+
+def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of a's time over b's in the same round."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
+
+
 def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", ts=cost.GRID_T,
-            fs=cost.GRID_F, repeats: int = 7, context: int = 128, progress=True,
-            bodies=("dense", "routed")) -> tuple[cost.Calibration, LayerBench]:
+            fs=cost.GRID_F, repeats: int = 7, context: int = 128,
+            progress=True) -> tuple[cost.Calibration, LayerBench]:
+    """The calibration table: per cell, dense's lower quartile and routed as that times the paired
+    routed/dense ratio (the ratio is what the choice needs; see side_by_side)."""
     device = torch.device(device)
     bench = LayerBench(hidden, intermediate, heads, kv_heads, device, context=context)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    bodies = ("dense", "routed")
     tables = {b: [] for b in bodies}
+    rng = random.Random(0)
+    work = [repeats_at(T, repeats) * (T + 8) for T in ts]  # a rough cost per row, for the ETA
     t_start = time.perf_counter()
     for i, T in enumerate(ts):
         rows = {b: [] for b in bodies}
         for f in fs:
-            args = bench.inputs(T, f)
-            for b in bodies:
-                bench.time(b, args, sync)  # warm-up
-            samples = {b: [] for b in bodies}
-            for r in range(repeats):
-                for b in (bodies if r % 2 == 0 else bodies[::-1]):  # interleaved
-                    samples[b].append(bench.time(b, args, sync))
-            for b in bodies:
-                rows[b].append(statistics.median(samples[b]))
+            s = side_by_side(bench, bodies, bench.inputs(T, f), sync, repeats_at(T, repeats), rng)
+            dense = lower_quartile(s["dense"])  # a neighbour's load only ever adds time
+            rows["dense"].append(dense)
+            rows["routed"].append(dense * paired_ratio(s, "routed", "dense"))
         for b in bodies:
             tables[b].append(tuple(rows[b]))
         if progress:
-            done = (i + 1) / len(ts)
+            done = sum(work[:i + 1]) / sum(work)
             el = time.perf_counter() - t_start
             print(f"calibrate: T={T:<4} dense {min(rows['dense']):.2f}-{max(rows['dense']):.2f} ms, routed "
                   f"{min(rows['routed']):.2f}-{max(rows['routed']):.2f} ms  [{done:.0%}, ETA {el / done - el:.0f} s]",

@@ -22,14 +22,21 @@ import bisect
 import json
 import math
 import platform
+import statistics
 import warnings
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 GRID_T = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GRID_F = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def run_rows(T: int, f: float) -> int:
+    """How many of T rows RUN in a calibration cell with fraction f."""
+    return round(f * T)
 
 
 def device_name(device: torch.device | str = "cpu") -> str:
@@ -80,17 +87,42 @@ class Calibration:
     dense: tuple  # ms, [len(ts)][len(fs)]
     routed: tuple
 
+    @cached_property
+    def _rows(self) -> list[tuple[list[float], float, list[float]]]:
+        """Per grid T: (RUN fractions, dense ms, routed ms). A cell (T, f) was measured with
+        run_rows(T, f) RUN rows, so its real fraction is that over T (at small T several cells
+        share one: merged). Dense computes every row whatever f: one time per T, the row's median.
+        Routed is the cell's routed/dense ratio (the two were timed interleaved, so a slow spell of
+        the machine cancels) times that dense time, made non-decreasing in f."""
+        rows = []
+        for T, d_row, r_row in zip(self.ts, self.dense, self.routed):
+            d = statistics.median(d_row)
+            by_n: dict[int, list[float]] = {}
+            for f, dc, rc in zip(self.fs, d_row, r_row):
+                by_n.setdefault(run_rows(T, f), []).append(rc / dc * d)
+            ns = sorted(by_n)
+            rows.append(([n / T for n in ns], d, _nondecreasing([statistics.median(by_n[n]) for n in ns])))
+        return rows
+
     def predict(self, body: str, T: int, f: float) -> float:
-        """Interpolated time (ms) of `body` for T rows with RUN fraction f."""
-        table = self.dense if body == "dense" else self.routed
+        """Interpolated time (ms) of `body` for T rows with RUN fraction f: linear in f along the
+        two grid rows around T, then linear in log2 T between them."""
         x = math.log2(max(T, 1))
         xs = [math.log2(t) for t in self.ts]
         i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-        j = min(max(bisect.bisect_right(self.fs, f) - 1, 0), len(self.fs) - 2)
         u = min(max((x - xs[i]) / (xs[i + 1] - xs[i]), 0.0), 1.0)
-        v = min(max((f - self.fs[j]) / (self.fs[j + 1] - self.fs[j]), 0.0), 1.0)
-        a, b = table[i][j] * (1 - v) + table[i][j + 1] * v, table[i + 1][j] * (1 - v) + table[i + 1][j + 1] * v
-        t = a * (1 - u) + b * u
+
+        def at(row):
+            fracs, d, r = row
+            if body == "dense":
+                return d
+            j = min(max(bisect.bisect_right(fracs, f) - 1, 0), max(len(fracs) - 2, 0))
+            if len(fracs) == 1:
+                return r[0]
+            v = min(max((f - fracs[j]) / (fracs[j + 1] - fracs[j]), 0.0), 1.0)
+            return r[j] * (1 - v) + r[j + 1] * v
+
+        t = at(self._rows[i]) * (1 - u) + at(self._rows[i + 1]) * u
         return t * (T / self.ts[-1]) if T > self.ts[-1] else t  # beyond the grid: linear in T
 
     def choose(self, T: int, f: float, current: str | None = None, margin: float = 0.03) -> str:
@@ -172,8 +204,8 @@ class AutoBody:
         return body
 
     def choose(self, T: int, counts: torch.Tensor) -> str:
-        if counts.device.type == "cpu":
-            n = int(counts[0])
+        if counts.is_cpu:  # (not .device.type: measured 5 us per call inside a step)
+            n = counts.tolist()[0]
             return self._decide(T, n, n / max(T, 1))
         if self._host is not None:
             seen = float(self._host[0]) / max(T, 1)
@@ -183,6 +215,18 @@ class AutoBody:
         self._host.copy_(counts, non_blocking=True)
         f = 0.5 if self.fraction is None else self.fraction
         return self._decide(T, round(f * 100), f)
+
+
+def _nondecreasing(ys: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ys (pool adjacent violators). A routed step with one
+    more RUN row and one fewer PROJECT row costs at least as much, so a dip is measurement noise."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(c)]
 
 
 _warned: set[str] = set()
