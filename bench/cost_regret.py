@@ -22,6 +22,9 @@ from vskipper.calibrate import LayerBench, lower_quartile, measure, paired_ratio
 TS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FS = (0.1, 0.3, 0.5, 0.7, 0.9)
 BODIES = ("dense", "routed", "auto")
+# more rounds up to T=64 than the calibration takes: one round's auto/routed ratio moves by ~10%
+# on this machine at small T, and the max over 50 cells would be that noise, not auto's regret
+SHORT = 64
 
 
 def main(argv=None) -> None:
@@ -45,7 +48,7 @@ def main(argv=None) -> None:
         for f in FS:
             auto = cost.AutoBody(cal)
             bench.body.chooser = auto
-            s = side_by_side(bench, BODIES, bench.inputs(T, f), sync, repeats_at(T, args.repeats), rng)
+            s = side_by_side(bench, BODIES, bench.inputs(T, f), sync, repeats_at(T, args.repeats, SHORT), rng)
             ms = {b: lower_quartile(v) for b, v in s.items()}
             # auto / min(dense, routed), each ratio paired round by round (slow spells cancel)
             regrets.append(max(paired_ratio(s, "auto", "dense"), paired_ratio(s, "auto", "routed")) - 1)
@@ -55,7 +58,7 @@ def main(argv=None) -> None:
                         f"{choice[-1]:+.3f} | {regrets[-1]:+.3f} |")
         print(f"T={T} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order "
-          f"({repeats_at(1, args.repeats)} at T=1: repeats_at); ms: lower quartiles; regrets: paired medians\n")
+          f"({repeats_at(1, args.repeats, SHORT)} at T=1: repeats_at); ms: lower quartiles; regrets: paired medians\n")
     print("| T | RUN fraction | dense ms | routed ms | auto ms | auto chose | choice regret | regret |\n"
           "|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -91,9 +91,10 @@ class LayerBench:
         return total / inner * 1e3
 
 
-def repeats_at(T: int, repeats: int) -> int:
-    """Repeats for batch size T: more where a step is short (noise is relative, time is cheap)."""
-    return max(repeats, -(-repeats * 16 // T))
+def repeats_at(T: int, repeats: int, short: int = 16) -> int:
+    """Rounds for batch size T: `repeats`, times short / T below T = short, where a step is short
+    (the noise is relative and the time cheap)."""
+    return max(repeats, -(-repeats * short // T))
 
 
 def lower_quartile(samples: list[float]) -> float:

@@ -2,8 +2,10 @@
 
 Both bodies compute the same function (the one principle): the cost model chooses how, never
 what. It is a table of times measured on this device by `vskipper calibrate` (a decode step of
-one routed layer, dense and routed, over a grid of batch sizes T and RUN fractions f),
-interpolated bilinearly in (log2 T, f). Calibrations are cached per device name, shape and
+one routed layer, dense and routed, over a grid of batch sizes T and RUN fractions f), read as:
+dense, one time per T; routed, the cell's paired routed/dense ratio times that, at the cell's real
+RUN fraction, non-decreasing in f; linear in f within a grid row, linear in log2 T between rows
+(Calibration._rows, predict). Calibrations are cached per device name, shape and
 torch / triton / vskipper versions; a mismatch is ignored with a warning, never trusted.
 
 Where the choice is made: in `AutoBody.choose`, on the host, once per routed layer and step,
