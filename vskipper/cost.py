@@ -56,10 +56,13 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return f"cpu: {model}, {torch.get_num_threads()} threads"
 
 
+METHOD = "2"  # how calibrate measures (2: KV pool, rounds in random order, paired ratios); bump on change
+
+
 def versions() -> dict[str, str]:
     import vskipper
 
-    out = {"torch": torch.__version__, "vskipper": vskipper.__version__}
+    out = {"torch": torch.__version__, "vskipper": vskipper.__version__, "method": METHOD}
     try:
         import triton
 
