@@ -121,35 +121,37 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
 
 
 def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", ts=cost.GRID_T,
-            fs=cost.GRID_F, repeats: int = 7, context: int = 128,
+            fs=cost.GRID_F, repeats: int = 6, passes: int = 3, context: int = 128,
             progress=True) -> tuple[cost.Calibration, LayerBench]:
-    """The calibration table: per cell, dense's lower quartile and routed as that times the paired
-    routed/dense ratio (the ratio is what the choice needs; see side_by_side)."""
+    """The calibration table: per cell, dense's lower quartile, and routed as that times the paired
+    routed/dense ratio (the ratio is what the choice needs; see side_by_side). The grid is swept
+    `passes` times, each with its share of the rounds, and a cell's ratio is the median of its
+    passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
+    (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only."""
     device = torch.device(device)
     bench = LayerBench(hidden, intermediate, heads, kv_heads, device, context=context)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    bodies = ("dense", "routed")
-    tables = {b: [] for b in bodies}
     rng = random.Random(0)
-    work = [repeats_at(T, repeats) * (T + 8) for T in ts]  # a rough cost per row, for the ETA
-    t_start = time.perf_counter()
-    for i, T in enumerate(ts):
-        rows = {b: [] for b in bodies}
-        for f in fs:
-            s = side_by_side(bench, bodies, bench.inputs(T, f), sync, repeats_at(T, repeats), rng)
-            dense = lower_quartile(s["dense"])  # a neighbour's load only ever adds time
-            rows["dense"].append(dense)
-            rows["routed"].append(dense * paired_ratio(s, "routed", "dense"))
-        for b in bodies:
-            tables[b].append(tuple(rows[b]))
-        if progress:
-            done = sum(work[:i + 1]) / sum(work)
-            el = time.perf_counter() - t_start
-            print(f"calibrate: T={T:<4} dense {min(rows['dense']):.2f}-{max(rows['dense']):.2f} ms, routed "
-                  f"{min(rows['routed']):.2f}-{max(rows['routed']):.2f} ms  [{done:.0%}, ETA {el / done - el:.0f} s]",
-                  file=sys.stderr, flush=True)
-    cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs),
-                           tuple(tables["dense"]), tuple(tables["routed"]))
+    rounds = {T: -(-repeats_at(T, repeats, short=32) // passes) for T in ts}  # per pass
+    dense = {(T, f): [] for T in ts for f in fs}
+    ratios = {(T, f): [] for T in ts for f in fs}
+    work = [rounds[T] * (T + 8) for T in ts]  # a rough cost per row, for the ETA
+    t_start, done = time.perf_counter(), 0
+    for p in range(passes):
+        for i, T in enumerate(ts):
+            for f in fs:
+                s = side_by_side(bench, ("dense", "routed"), bench.inputs(T, f), sync, rounds[T], rng)
+                dense[T, f] += s["dense"]
+                ratios[T, f].append(paired_ratio(s, "routed", "dense"))
+            done += work[i]
+            if progress:
+                frac, el = done / (passes * sum(work)), time.perf_counter() - t_start
+                rs = [r[-1] for (t, _), r in ratios.items() if t == T]
+                print(f"calibrate: pass {p + 1}/{passes} T={T:<4} routed/dense {min(rs):.2f}-{max(rs):.2f}  "
+                      f"[{frac:.0%}, ETA {el / frac - el:.0f} s]", file=sys.stderr, flush=True)
+    d = tuple(tuple(lower_quartile(dense[T, f]) for f in fs) for T in ts)  # a neighbour's load only adds time
+    r = tuple(tuple(d[i][j] * statistics.median(ratios[T, f]) for j, f in enumerate(fs)) for i, T in enumerate(ts))
+    cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d, r)
     return cal, bench
 
 
@@ -166,7 +168,8 @@ def main(argv=None) -> None:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--model", help="a model directory: its hidden/intermediate/heads")
     g.add_argument("--shape", help="hidden,intermediate[,heads,kv_heads]")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=6, help="rounds per cell at T >= 32 (more below), over all passes")
+    ap.add_argument("--passes", type=int, default=3, help="sweeps of the grid; a cell's ratio is their median")
     ap.add_argument("--export", help="also write the calibration to this directory (to ship it)")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -190,7 +193,9 @@ def main(argv=None) -> None:
         dims = list(shape_of(str(smollm2_dir())))
     print(f"calibrate: {cost.device_name(device)}, hidden={dims[0]} intermediate={dims[1]} heads={dims[2]}/{dims[3]}",
           file=sys.stderr)
-    cal, _ = measure(*dims, device=device, repeats=args.repeats)
+    if args.repeats < 1 or args.passes < 1:
+        ap.error(f"--repeats and --passes must be >= 1 (got {args.repeats} and {args.passes})")
+    cal, _ = measure(*dims, device=device, repeats=args.repeats, passes=args.passes)
     print(f"calibration cached in {cost.save(cal)}")
     if args.export:
         print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")

@@ -56,7 +56,7 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return f"cpu: {model}, {torch.get_num_threads()} threads"
 
 
-METHOD = "2"  # how calibrate measures (2: KV pool, rounds in random order, paired ratios); bump on change
+METHOD = "3"  # how calibrate measures (KV pool, rounds in random order, paired ratios, passes); bump on change
 
 
 def versions() -> dict[str, str]:
