@@ -9,7 +9,7 @@ import random
 import torch
 
 from vskipper import cost
-from vskipper.calibrate import LayerBench, lower_quartile, paired_ratio, side_by_side
+from vskipper.calibrate import LayerBench, lower_quartile, paired_ratio, repeats_at, side_by_side
 
 TS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -26,7 +26,8 @@ def main(argv=None) -> None:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     bodies = ["dense", "routed"] + (["auto"] if cal else [])
     rng = random.Random(0)
-    print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order; "
+    print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order "
+          f"({repeats_at(1, args.repeats)} at T=1); "
           "dense: lower quartile; ratios: paired medians" + ("" if cal else "; no calibration, so no auto column (run `vskipper calibrate`)") + "\n")
     print("| T | RUN fraction | dense ms | routed / dense | " + ("auto / dense | " if cal else "") + "ideal |")
     print("|---|---|---|---|" + ("---|" if cal else "") + "---|")
@@ -34,7 +35,7 @@ def main(argv=None) -> None:
         for f in (0.5, 0.75):
             a = bench.inputs(T, f)
             bench.body.chooser = cost.AutoBody(cal) if cal else None
-            s = side_by_side(bench, bodies, a, sync, args.repeats, rng)
+            s = side_by_side(bench, bodies, a, sync, repeats_at(T, args.repeats), rng)
             cols = [f"{paired_ratio(s, b, 'dense'):.2f}" for b in bodies[1:]]
             print(f"| {T} | {f} | {lower_quartile(s['dense']):.3f} | " + " | ".join(cols) + f" | {f:.2f} |")
 

@@ -130,6 +130,22 @@ def test_nearest_shape_is_used():
     assert cost.load("cpu", 48, 64).hidden == 40
 
 
+def test_a_slow_spell_in_one_pass_does_not_move_the_calibration(monkeypatch):
+    from vskipper import calibrate
+
+    calls = []
+
+    def fake(bench, bodies, args, sync, rounds, rng):  # routed is half of dense, 4x in pass 2
+        calls.append(rounds)
+        spell = 4.0 if 4 <= len(calls) <= 6 else 1.0  # 3 cells per pass: the second pass
+        return {"dense": [2.0] * rounds, "routed": [1.0 * spell] * rounds}
+
+    monkeypatch.setattr(calibrate, "side_by_side", fake)
+    cal, _ = measure(32, 48, 4, 2, ts=(1, 64, 128), fs=(0.5,), repeats=6, passes=3, progress=False)
+    assert len(calls) == 9 and calls[:3] == [64, 2, 2]  # 6 rounds x 32/T below T=32, over 3 passes
+    assert cal.dense == ((2.0,),) * 3 and cal.routed == ((1.0,),) * 3
+
+
 def test_measure_a_tiny_grid():
     cal, _ = measure(32, 48, 4, 2, ts=(1, 8), fs=(0.0, 1.0), repeats=2, progress=False)
     assert len(cal.dense) == 2 and len(cal.dense[0]) == 2 and all(t > 0 for row in cal.routed for t in row)
