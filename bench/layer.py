@@ -27,8 +27,8 @@ def main(argv=None) -> None:
     bodies = ["dense", "routed"] + (["auto"] if cal else [])
     rng = random.Random(0)
     print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order "
-          f"({repeats_at(1, args.repeats)} at T=1); "
-          "dense: lower quartile; ratios: paired medians" + ("" if cal else "; no calibration, so no auto column (run `vskipper calibrate`)") + "\n")
+          f"({repeats_at(1, args.repeats)} at T=1); dense: lower quartile; ratios: paired medians"
+          + ("" if cal else "; no calibration, so no auto column (run `vskipper calibrate`)") + "\n")
     print("| T | RUN fraction | dense ms | routed / dense | " + ("auto / dense | " if cal else "") + "ideal |")
     print("|---|---|---|---|" + ("---|" if cal else "") + "---|")
     for T in TS:

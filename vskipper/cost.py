@@ -97,8 +97,8 @@ class Calibration:
         """Per grid T: (RUN fractions, dense ms, routed ms). A cell (T, f) was measured with
         run_rows(T, f) RUN rows, so its real fraction is that over T (at small T several cells
         share one: merged). Dense computes every row whatever f: one time per T, the row's median.
-        Routed is the cell's routed/dense ratio (the two were timed interleaved, so a slow spell of
-        the machine cancels) times that dense time, made non-decreasing in f."""
+        Routed is the cell's routed/dense ratio (paired round by round, so a slow spell of the
+        machine cancels) times that dense time, made non-decreasing in f."""
         rows = []
         for T, d_row, r_row in zip(self.ts, self.dense, self.routed):
             d = statistics.median(d_row)
