@@ -115,16 +115,24 @@ def test_dense_and_routed_agree_on_logits():
 
 
 def test_decode_gather_reuses_one_buffer_and_equals_indexing():
-    from vskipper.models.hf import _SCRATCH, _gather_rows
+    import threading
+
+    from vskipper.models.hf import _gather_rows, _scratch
 
     g = torch.Generator().manual_seed(0)
     t = torch.randn(9, 2, 7, 4, generator=g)
-    _SCRATCH.clear()
+    _scratch().clear()
     for n in (5, 2, 9, 3):  # grows, shrinks, grows past the first size
         rows = torch.randperm(9, generator=g)[:n]
         out = _gather_rows(t, rows, "k")
         assert_equal(out, t[rows], f"gathered rows, n={n}")
-    assert len(_SCRATCH) == 1 and _SCRATCH[(t.dtype, "k")].numel() == t.numel()
+    assert len(_scratch()) == 1 and _scratch()[(t.dtype, "k")].numel() == t.numel()
+    mine, other = _scratch()[(t.dtype, "k")], []
+    th = threading.Thread(target=lambda: other.append(_gather_rows(t, torch.tensor([0, 1]), "k")))
+    th.start()
+    th.join()
+    assert_equal(other[0], t[[0, 1]], "another thread's gather")
+    assert other[0].data_ptr() != mine.data_ptr()  # each thread has its own buffer
     t.requires_grad_(True)  # with autograd: plain indexing, no shared buffer
     assert _gather_rows(t, torch.tensor([1, 0]), "k").grad_fn is not None
 

@@ -6,6 +6,7 @@ embeddings, masks and rotary tables as transformers does, then call the stack.
 """
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
@@ -27,22 +28,30 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return (t * cos) + (_rotate_half(t) * sin)
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}  # (dtype, "k"/"v") -> flat CPU buffer, shared by all layers
+_LOCAL = threading.local()  # .scratch: (dtype, "k"/"v") -> flat CPU buffer, shared by a thread's layers
+
+
+def _scratch() -> dict[tuple, torch.Tensor]:
+    if not hasattr(_LOCAL, "scratch"):
+        _LOCAL.scratch = {}
+    return _LOCAL.scratch
 
 
 def _gather_rows(t: torch.Tensor, rows: torch.Tensor, name: str) -> torch.Tensor:
     """t[rows] for a decode step's K/V [B, kvh, Skv, d]. On CPU, without autograd, into a buffer
     reused across steps and layers: a fresh allocation of this size is mmap'ed by glibc and
     page-faults on every step (measured: +50% on a routed layer's step at T=512), where the
-    dense body reads the cache in place. The buffer holds at most one layer's gathered K (or V)."""
+    dense body reads the cache in place. The buffer holds at most one layer's gathered K (or V);
+    one per thread, so models decoding in several threads never share it."""
     if not t.is_cpu or (torch.is_grad_enabled() and t.requires_grad):
         return t[rows]
     shape = (rows.numel(), *t.shape[1:])
     need = rows.numel() * t[0].numel()
     key = (t.dtype, name)
-    buf = _SCRATCH.get(key)
+    scratch = _scratch()
+    buf = scratch.get(key)
     if buf is None or buf.numel() < need:
-        buf = _SCRATCH[key] = torch.empty(need, dtype=t.dtype)
+        buf = scratch[key] = torch.empty(need, dtype=t.dtype)
     return torch.index_select(t, 0, rows, out=buf[:need].view(shape))
 
 
