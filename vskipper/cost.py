@@ -121,9 +121,9 @@ class Calibration:
             fracs, d, r = row
             if body == "dense":
                 return d
-            j = min(max(bisect.bisect_right(fracs, f) - 1, 0), max(len(fracs) - 2, 0))
             if len(fracs) == 1:
                 return r[0]
+            j = min(max(bisect.bisect_right(fracs, f) - 1, 0), len(fracs) - 2)
             v = min(max((f - fracs[j]) / (fracs[j + 1] - fracs[j]), 0.0), 1.0)
             return r[j] * (1 - v) + r[j + 1] * v
 
