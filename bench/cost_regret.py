@@ -46,8 +46,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for T in TS:
         for f in FS:
-            auto = cost.AutoBody(cal)
-            bench.body.chooser = auto
+            auto = bench.add_auto(cal).chooser
             s = side_by_side(bench, BODIES, bench.inputs(T, f), sync, repeats_at(T, args.repeats, SHORT), rng)
             ms = {b: lower_quartile(v) for b, v in s.items()}
             # auto / min(dense, routed), each ratio paired round by round (slow spells cancel)

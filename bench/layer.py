@@ -34,7 +34,8 @@ def main(argv=None) -> None:
     for T in TS:
         for f in (0.5, 0.75):
             a = bench.inputs(T, f)
-            bench.body.chooser = cost.AutoBody(cal) if cal else None
+            if cal:
+                bench.add_auto(cal)
             s = side_by_side(bench, bodies, a, sync, repeats_at(T, args.repeats), rng)
             cols = [f"{paired_ratio(s, b, 'dense'):.2f}" for b in bodies[1:]]
             print(f"| {T} | {f} | {lower_quartile(s['dense']):.3f} | " + " | ".join(cols) + f" | {f:.2f} |")

@@ -10,9 +10,10 @@ import torch
 import vskipper
 from vskipper import cost
 from vskipper.calibrate import measure
+from vskipper.routed_layer import AutoBody
 
 from conftest import assert_equal
-from tiny import flexidepth_for, record_routes, tiny_llama, transformed
+from tiny import flexidepth_for, record_routes, synthetic_calibration, tiny_llama, transformed
 from test_transform import fast_decisions, greedy, left_pad, prompts
 
 
@@ -22,12 +23,7 @@ def _own_cache(tmp_path, monkeypatch):
     cost._warned.clear()
 
 
-def synthetic(hidden=40, intermediate=72, device="cpu") -> cost.Calibration:
-    """Routed is cheaper for T >= 4 unless nearly every row runs; dense wins at tiny T."""
-    ts, fs = (1, 2, 4, 8, 16), (0.0, 0.5, 1.0)
-    dense = tuple(tuple(1.0 * t for _ in fs) for t in ts)
-    routed = tuple(tuple((2.0 if t < 4 else 0.3 + 0.8 * f) * t for f in fs) for t in ts)
-    return cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, ts, fs, dense, routed)
+synthetic = synthetic_calibration
 
 
 def test_interpolation_and_hysteresis():
@@ -81,8 +77,7 @@ def test_dense_routed_auto_same_decisions_and_tokens():
         decisions[body] = {l: [fast_decisions(calls, l, b, ids.shape[1] - len(p)) for b, p in enumerate(seqs)]
                            for l in sk.layers}
         if body == "auto":
-            chooser = m.model._vskipper_stack.routed.get_submodule("1").chooser
-            assert isinstance(chooser, cost.AutoBody)
+            assert isinstance(m.model._vskipper_stack.routed.get_submodule("1").body, AutoBody)
     for body in ("routed", "auto"):
         assert_equal(outs[body], outs["dense"], f"{body} vs dense tokens")
         for l in sk.layers:
@@ -96,8 +91,8 @@ def test_auto_uses_both_bodies_as_the_model_predicts():
     m = transformed(base, vskipper.RandomSkip(0.5, [2]), "auto")
     layer = m.model._vskipper_stack.routed.get_submodule("2")
     seen = []
-    orig = layer.chooser.choose
-    layer.chooser.choose = lambda T, counts: seen.append((T, orig(T, counts))) or seen[-1][1]
+    orig = layer.body.chooser.choose
+    layer.body.chooser.choose = lambda T, counts: seen.append((T, orig(T, counts))) or seen[-1][1]
     with torch.no_grad():
         m(torch.randint(1, 100, (1, 1)))  # T = 1: dense
         m(torch.randint(1, 100, (4, 8)))  # T = 32: routed
@@ -108,7 +103,8 @@ def test_no_calibration_runs_dense_with_one_warning():
     base = tiny_llama()
     with pytest.warns(UserWarning, match=r"no cost calibration for .*runs the dense-masked body.*vskipper calibrate --shape 40,72"):
         m = transformed(base, vskipper.RandomSkip(0.5, [1, 2]), "auto")
-    assert set(m.vskipper.bodies.values()) == {"dense"}
+    assert {b.name for b in m.vskipper.bodies.values()} == {"dense"}
+    assert "without a cost calibration" in vskipper.explain(m)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         transformed(base, vskipper.RandomSkip(0.5, [1, 2]), "auto")  # warned once per device

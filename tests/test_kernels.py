@@ -1,7 +1,7 @@
 """The grouped-execution kernels: each Triton kernel against its torch reference (under
 TRITON_INTERPRET=1 on CPU, at tiny shapes), each reference against a plain loop that states the
-op's contract, the fixed-shape references against the dynamic (CPU) ones, and the torch path at
-larger shapes. The custom-op layer (opcheck, dispatch, configs, compile, CUDA graphs) is tested in
+op's contract, the fused epilogue against the gate arithmetic (skippers/base.py), the dynamic
+(CPU) attention against the fixed-shape one, and the torch path at larger shapes. The custom-op layer (opcheck, dispatch, configs, compile, CUDA graphs) is tested in
 test_ops_compile.py.
 
 Legend: T = rows, H = hidden, I = MLP width, R = map length, B = decode rows.
@@ -15,12 +15,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vskipper import ops
-from vskipper.triton_kernels import gather_rows as GR
-from vskipper.triton_kernels import grouped_linear as GL
+from vskipper.skippers.base import project_value, run_value
 from vskipper.triton_kernels import grouped_swiglu as GS
 from vskipper.triton_kernels import masked_decode_attention as MA
 from vskipper.triton_kernels import route_maps as RM
-from vskipper.triton_kernels import scatter_combine as SC
 from vskipper.triton_kernels._common import HAS_TRITON, interpreted
 
 from conftest import assert_close, assert_equal
@@ -80,13 +78,6 @@ def n_of(count) -> int:
 
 
 # --- specs: the contract written as plain loops (the references' oracle) ---------------------
-def spec_gather(x, rows, count):
-    y = torch.zeros(rows.shape[0], x.shape[1], dtype=x.dtype)
-    for j in range(n_of(count)):
-        y[j] = x[int(rows[j])]
-    return y
-
-
 def spec_scatter(out, residual, y, rows, count, weight):
     out = out.clone()
     for j in range(n_of(count)):
@@ -167,88 +158,13 @@ def test_route_maps_kernel_multi_block(T, with_valid):
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_route_maps_flattens_any_shape(impl, monkeypatch):
-    monkeypatch.setenv("VSKIPPER_IMPL", impl)
+def test_route_maps_flattens_any_shape(impl):
     g = torch.Generator().manual_seed(0)
     run = (torch.rand(3, 5, generator=g) < 0.5).to(DEVICE)
     valid = (torch.rand(3, 5, generator=g) < 0.8).to(DEVICE)
-    check_maps(ops.route_maps(run, valid), run.reshape(-1).cpu(), valid.reshape(-1).cpu())
-    check_maps(ops.route_maps(run.T), run.T.reshape(-1).cpu(), None)  # non-contiguous input, no valid
-    check_maps(ops.route_maps(run[:0]), run[:0].reshape(-1).cpu(), None)
-
-
-# --- gather_rows -------------------------------------------------------------------------------
-@given(routings(), HIDDEN, st.sampled_from(DTYPES), st.integers(0, 2**16), st.booleans(), st.booleans(),
-       st.sampled_from([0, 1]))
-@example((torch.zeros(0, dtype=torch.bool), None), 111, torch.float32, 0, False, False, 0)
-@example((torch.ones(1, dtype=torch.bool), None), 111, torch.bfloat16, 0, True, True, 1)
-def test_gather_rows(rv, H, dtype, seed, strided, int64_rows, which):
-    run, valid = rv
-    g = torch.Generator().manual_seed(seed)
-    x = randn(run.shape[0], H, dtype=dtype, g=g, strided=strided)
-    rows, count = maps_for(run, valid, torch.int64 if int64_rows else torch.int32, which, scalar_count=int64_rows)
-    ref = GR.reference(x, rows, count)
-    assert_equal(ref.cpu(), spec_gather(x.cpu(), rows.cpu(), count.cpu()), "reference vs spec")
-    assert_equal(GR.reference_dynamic(x, rows, count), ref, "dynamic vs fixed reference")
-    if TRITON_RUNS:
-        assert_equal(GR.launch(x, rows, count), ref, "kernel vs reference")
-
-
-# --- scatter_combine_ --------------------------------------------------------------------------
-@given(routings(), HIDDEN, st.sampled_from(DTYPES), st.integers(0, 2**16), st.booleans(), st.booleans(),
-       st.sampled_from(["none", "weight", "alias"]))
-@example((torch.zeros(0, dtype=torch.bool), None), 111, torch.float32, 0, False, False, "weight")
-@example((torch.ones(1, dtype=torch.bool), None), 111, torch.bfloat16, 0, True, True, "alias")
-def test_scatter_combine(rv, H, dtype, seed, strided, int64_rows, mode):
-    run, valid = rv
-    T = run.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    out0 = randn(T, H, dtype=dtype, g=g, strided=strided)
-    residual = out0 if mode == "alias" else randn(T, H, dtype=dtype, g=g)
-    y = randn(T, H, dtype=dtype, g=g)
-    weight = None if mode == "none" else torch.rand(T, generator=g).to(DEVICE)
-    rows, count = maps_for(run, valid, torch.int64 if int64_rows else torch.int32)
-
-    def run_impl(fn):
-        out = out0.clone()
-        fn(out, out if mode == "alias" else residual, y, rows, count, weight)
-        return out
-
-    ref = run_impl(SC.reference)
-    assert_close(ref.cpu(), spec_scatter(out0.cpu(), cpu(residual), y.cpu(), rows.cpu(), count.cpu(), cpu(weight)),
-                 "reference vs spec")
-    assert_close(run_impl(SC.reference_dynamic), ref, "dynamic vs fixed reference")
-    if TRITON_RUNS:
-        got = run_impl(SC.launch)
-        assert_close(got, ref, "kernel vs reference")
-        untouched = torch.ones(T, dtype=torch.bool)
-        untouched[rows[:n_of(count)].long().cpu()] = False
-        assert_equal(got.cpu()[untouched], out0.cpu()[untouched], "rows outside the map are untouched")
-
-
-# --- grouped_linear ----------------------------------------------------------------------------
-@FEW
-@given(routings(), HIDDEN, st.sampled_from([1, 16, 40, 130]), st.sampled_from(DTYPES), st.integers(0, 2**16),
-       st.booleans())
-@example((torch.zeros(0, dtype=torch.bool), None), 111, 40, torch.float32, 0, False)
-@example((torch.ones(1, dtype=torch.bool), None), 111, 40, torch.bfloat16, 0, True)
-def test_grouped_linear(rv, K, N, dtype, seed, strided):
-    run, valid = rv
-    g = torch.Generator().manual_seed(seed)
-    x = randn(run.shape[0], K, dtype=dtype, g=g, strided=strided)
-    w = randn(N, K, dtype=dtype, g=g, scale=K ** -0.5, strided=strided)
-    rows, count = maps_for(run, valid)
-    ref = GL.reference(x, rows, count, w)
-    xs, ws = x.cpu().float(), w.cpu().float()
-    spec = torch.zeros(rows.shape[0], N)
-    for j in range(n_of(count)):
-        spec[j] = xs[int(rows[j])] @ ws.T
-    assert_close(ref.cpu(), spec.to(dtype), "reference vs spec")
-    assert_close(GL.reference_dynamic(x, rows, count, w), ref, "dynamic vs fixed reference")
-    if TRITON_RUNS:
-        got = GL.launch(x, rows, count, w)
-        assert_close(got, ref, "kernel vs reference")
-        assert_equal(got[n_of(count):], torch.zeros_like(got[n_of(count):]), "zeros past the count")
+    check_maps(ops.route_maps(run, valid, impl=impl), run.reshape(-1).cpu(), valid.reshape(-1).cpu())
+    check_maps(ops.route_maps(run.T, impl=impl), run.T.reshape(-1).cpu(), None)  # non-contiguous input, no valid
+    check_maps(ops.route_maps(run[:0], impl=impl), run[:0].reshape(-1).cpu(), None)
 
 
 # --- grouped_swiglu_ ---------------------------------------------------------------------------
@@ -282,13 +198,34 @@ def test_grouped_swiglu(rv, H, I, dtype, seed, strided, mode, which):
     ys[:n] = spec_swiglu_rows(x.cpu()[r], wg.cpu(), wu.cpu(), wd.cpu())
     res = out0.cpu() if mode == "alias" else residual.cpu()
     assert_close(ref.cpu(), spec_scatter(out0.cpu(), res, ys, rows.cpu(), count.cpu(), cpu(weight)), "reference vs spec")
-    assert_close(run_impl(GS.reference_dynamic), ref, "dynamic vs fixed reference")
     if TRITON_RUNS:
         got = run_impl(GS.launch)
         assert_close(got, ref, "kernel vs reference")
         untouched = torch.ones(T, dtype=torch.bool)
         untouched[r] = False
         assert_equal(got.cpu()[untouched], out0.cpu()[untouched], "rows outside the map are untouched")
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("soft", [True, False])
+def test_grouped_swiglu_epilogue_is_the_gate_arithmetic(impl, soft):
+    """The fixed-shape body's two calls (RUN rows: residual h1, weight g; PROJECT rows: residual h,
+    weight 1 - g; hard gate: no weight) give run_value / project_value of the rows they name."""
+    T, H, I = 11, 24, 40
+    g = torch.Generator().manual_seed(7)
+    h, h1, x = (randn(T, H, dtype=torch.float32, g=g) for _ in range(3))
+    wg, wu = randn(I, H, dtype=torch.float32, g=g, scale=H ** -0.5), randn(I, H, dtype=torch.float32, g=g, scale=H ** -0.5)
+    wd = randn(H, I, dtype=torch.float32, g=g, scale=I ** -0.5)
+    gate = torch.rand(T, generator=g).to(DEVICE)
+    run = (gate > 0.5).cpu()
+    run_rows, proj_rows, counts = (m.to(DEVICE) for m in RM.reference(run, None))
+    y = spec_swiglu_rows(x, wg, wu, wd)  # [T, H]
+    out = h.clone()
+    ops.grouped_swiglu_(out, h1, x, run_rows, counts[0:1], wg, wu, wd, gate if soft else None, impl=impl)
+    ops.grouped_swiglu_(out, h, x, proj_rows, counts[1:2], wg, wu, wd, 1 - gate if soft else None, impl=impl)
+    r = run.to(DEVICE)
+    assert_close(out[r], run_value(h1, y, gate, soft)[r], "RUN rows vs run_value")
+    assert_close(out[~r], project_value(h, y, gate, soft)[~r], "PROJECT rows vs project_value")
 
 
 # --- masked_decode_attention -------------------------------------------------------------------
@@ -345,28 +282,22 @@ def test_masked_decode_attention_zero_length_row_is_zero():
 
 # --- the torch path at larger shapes -----------------------------------------------------------
 @pytest.mark.parametrize("T,H,I", [(512, 512, 1024), (300, 111, 257)])
-def test_torch_path_larger_shapes(T, H, I, monkeypatch):
-    monkeypatch.setenv("VSKIPPER_IMPL", "torch")
+def test_torch_path_larger_shapes(T, H, I):
     g = torch.Generator().manual_seed(T)
     gate = torch.rand(T, generator=g)
     run, valid = gate > 0.4, torch.arange(T) < T - 7
-    run_rows, proj_rows, counts = ops.route_maps(run, valid)
-    check_maps((run_rows, proj_rows, counts), run, valid)
+    maps = ops.route_maps(run, valid, impl="torch")
+    check_maps(maps, run, valid)
+    run_rows, _, counts = maps
     x, h = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
     wg, wu = torch.randn(I, H, generator=g) * H ** -0.5, torch.randn(I, H, generator=g) * H ** -0.5
     wd = torch.randn(H, I, generator=g) * I ** -0.5
     n = counts[0:1]
-    assert_equal(ops.gather_rows(x, run_rows, n), GR.reference(x, run_rows, n), "gather_rows")
-    assert_close(ops.grouped_linear(x, run_rows, n, wg), GL.reference(x, run_rows, n, wg), "grouped_linear")
     a, b = h.clone(), h.clone()
-    ops.grouped_swiglu_(a, h, x, run_rows, n, wg, wu, wd, gate)
+    ops.grouped_swiglu_(a, h, x, run_rows, n, wg, wu, wd, gate, impl="torch")
     GS.reference(b, h, x, run_rows, n, wg, wu, wd, gate)
-    assert_close(a, b, "grouped_swiglu_")
+    assert_equal(a, b, "grouped_swiglu_ is its reference")
     # the same as the dense MLP on the RUN rows, the rest untouched
     m = run & valid
     dense = torch.where(m[:, None], h + gate[:, None] * spec_swiglu_rows(x, wg, wu, wd), h)
     assert_close(a, dense, "grouped_swiglu_ vs dense MLP")
-    a, b = h.clone(), h.clone()
-    ops.scatter_combine_(a, h, x, proj_rows, counts[1:2], None)
-    SC.reference(b, h, x, proj_rows, counts[1:2], None)
-    assert_close(a, b, "scatter_combine_")

@@ -9,11 +9,21 @@ from vskipper.reference import reference_forward, reference_generate
 from vskipper.skippers.base import sanitize_gate
 
 from conftest import assert_close, assert_equal
-from tiny import VOCAB, flexidepth_for, record_routes, tiny_llama, tiny_qwen3, transformed
+from tiny import VOCAB, flexidepth_for, record_routes, synthetic_calibration, tiny_llama, tiny_qwen3, transformed
 
 FAMILIES = {"llama": (tiny_llama, "soft"), "qwen3": (tiny_qwen3, "hard")}
 BODIES = ("dense", "routed", "auto")
 NEW_TOKENS = 24
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration(tmp_path, monkeypatch):
+    """execution="auto" reads this test's own calibration (both bodies in use), never the machine's."""
+    from vskipper import cost
+
+    monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
+    for hidden, inter in ((40, 72), (36, 50)):  # tiny_llama, tiny_qwen3
+        cost.save(synthetic_calibration(hidden, inter))
 
 
 def prompts(lengths=(5, 11, 1), seed=3):
@@ -150,7 +160,25 @@ def test_pass_rewrites_every_routed_layer_and_tags_nodes():
             and n.target.count(".") == 1] == ["layers.1", "layers.2", "layers.4"]
     dense = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "dense")
     assert not any(n.meta.get("vskipper", {}).get("role") == "route_maps" for n in dense.model._vskipper_stack.graph.nodes)
-    assert set(dense.vskipper.bodies.values()) == {"dense"}
+    assert {b.name for b in dense.vskipper.bodies.values()} == {"dense"}
+    for n in gm.graph.nodes:  # the graph records each routed layer's body
+        if n.meta.get("vskipper", {}).get("role") == "routed_layer":
+            assert n.meta["vskipper"]["body"] == "routed"
+
+
+def test_explain_says_what_each_routed_layer_runs_and_why():
+    base = tiny_llama()
+    sk = vskipper.RandomSkip(0.5, [0, 1, 2, 4])
+    text = vskipper.explain(transformed(base, sk, "auto"))
+    assert "rewritten 4/4 routed layers" in text
+    assert "layers 0-2: auto: dense-masked or routed, dynamic shapes" in text and "layer 4: auto" in text
+    assert "calibration 'cpu: " in text
+    m = transformed(base, sk, "routed", static_shapes=True)
+    assert repr(m.vskipper) == vskipper.explain(m)
+    assert "layers 0-2: routed, fixed shapes (torch ops; no host sync)  [execution='routed', static_shapes=True, " \
+           "impl='torch']" in repr(m.vskipper)
+    with pytest.raises(ValueError, match="vskipper.explain: this model was not transformed"):
+        vskipper.explain(base)
 
 
 def test_state_dict_keys_of_the_base_model_are_unchanged():

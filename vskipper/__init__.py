@@ -4,18 +4,19 @@
     model = vskipper.transform(model, vskipper.RandomSkip(0.5, layers=range(15, 30)))
     model = vskipper.from_pretrained("path/to/flexidepth-checkpoint")
     vskipper.stats(model)
+    print(model.vskipper)          # what each routed layer runs, and why (vskipper.explain)
 """
+from vskipper._version import __version__
 from vskipper.config import Config
 from vskipper.skippers import FlexiDepth, RandomSkip, Skipper, Static, parse_skipper
-from vskipper.api import from_pretrained, stats, transform
-
-__version__ = "0.1.0"
+from vskipper.api import explain, from_pretrained, stats, transform
 
 __all__ = [
     # verbs
     "transform",
     "from_pretrained",
     "stats",
+    "explain",
     # configuration
     "Config",
     # skippers

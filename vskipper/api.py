@@ -1,4 +1,4 @@
-"""The public verbs: transform, from_pretrained, stats."""
+"""The public verbs: transform, from_pretrained, stats, explain."""
 from __future__ import annotations
 
 import torch
@@ -6,32 +6,45 @@ from torch import nn
 
 from vskipper import cost
 from vskipper.config import Config
-from vskipper.models import ModelAdapter, adapter_for
-from vskipper.passes import DispatchPass, RoutePass, VerifyPass, run_passes, trace_stack
-from vskipper.routed_layer import RouteCounter, RoutedLayer
+from vskipper.models import ModelFamily, family_for
+from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
+from vskipper.routed_layer import Body, RouteCounter, RoutedLayer, make_body
 from vskipper.skippers.base import Skipper
 
 
 class VSkipperState(nn.Module):
     """What `transform` attaches to a model (as `model.vskipper`): the skipper, the per-layer
-    route counters, the config and what the passes did."""
+    route counters, the config, and what each routed layer runs and why. Its repr is `explain`."""
 
-    def __init__(self, skipper: Skipper, config: Config, adapter: ModelAdapter) -> None:
+    def __init__(self, skipper: Skipper, config: Config, family: ModelFamily, device: torch.device) -> None:
         super().__init__()
         self.skipper = skipper
         self.counters = nn.ModuleDict({str(l): RouteCounter() for l in skipper.layers})
         self.config = config
-        self.adapter_name = adapter.name
+        self.family = family.name
+        self.device = device
         self.rewritten: list[int] = []
-        self.bodies: dict[int, str] = {}
+        self.bodies: dict[int, Body] = {}
+        self.reasons: dict[int, str] = {}
 
-    def extra_repr(self) -> str:
-        return f"config={self.config}, rewritten={len(self.rewritten)}/{len(self.skipper.layers)} routed layers"
+    def explain(self) -> str:
+        n = len(self.skipper.layers)
+        lines = [f"vskipper: {self.family} on {self.device}, {type(self.skipper).__name__}"
+                 f"({self.skipper.extra_repr()}), {self.config}",
+                 f"rewritten {len(self.rewritten)}/{n} routed layers:"]
+        groups: list[list] = []  # consecutive layers that run the same body for the same reason
+        for i in self.rewritten:
+            key = (self.bodies[i].describe(), self.reasons[i])
+            if groups and groups[-1][0] == key and groups[-1][2] == i - 1:
+                groups[-1][2] = i
+            else:
+                groups.append([key, i, i])
+        for (what, why), lo, hi in groups:
+            lines.append(f"  layer{'s' if hi > lo else ''} {lo if lo == hi else f'{lo}-{hi}'}: {what}  [{why}]")
+        return "\n".join(lines)
 
-
-def _model_dims(model: nn.Module, layers: nn.ModuleList) -> tuple[int, int, torch.dtype, torch.device]:
-    p = next(layers[0].parameters())
-    return len(layers), model.config.hidden_size, p.dtype, p.device
+    def __repr__(self) -> str:
+        return self.explain()
 
 
 def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) -> nn.Module:
@@ -42,34 +55,30 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     skipper: a `vskipper.Skipper` (FlexiDepth, RandomSkip, Static, ...); its routed layer indices
              must exist in the model (ValueError otherwise). It is moved to the model's device
              and dtype and attached as `model.vskipper.skipper`.
-    config:  `vskipper.Config(execution="auto" | "dense" | "routed")`; every choice computes the
-             same function. "auto" uses the cost model measured by `vskipper calibrate` on this
-             device; with no calibration it runs dense-masked and warns once.
+    config:  `vskipper.Config(execution="auto" | "dense" | "routed", impl=...)`; every choice
+             computes the same function. "auto" uses the cost model measured by `vskipper calibrate`
+             on this device; with no calibration it runs dense-masked and warns once.
 
-    A torch.fx pass traces the model's decoder stack with decoder layers as leaves and, at every
-    routed layer, inserts input_layernorm -> router -> route decisions -> route maps -> route
-    counter -> routed layer. K/V are written for every token at every layer. Route counts are
-    read with `vskipper.stats(model)`.
+    What each routed layer runs (its body) is decided here, once; `print(model.vskipper)` (or
+    `vskipper.explain(model)`) says which and why. A torch.fx pass traces the model's decoder
+    stack with decoder layers as leaves and, at every routed layer, inserts input_layernorm ->
+    router -> route decisions -> route maps -> route counter -> routed layer. K/V are written for
+    every token at every layer. Route counts are read with `vskipper.stats(model)`.
     """
     config = Config() if config is None else config
     if not isinstance(config, Config):
         raise TypeError(f"vskipper.transform: config must be a vskipper.Config, got {type(config).__name__}")
     if not isinstance(skipper, Skipper):
         raise TypeError(f"vskipper.transform: skipper must be a vskipper.Skipper, got {type(skipper).__name__}")
-    adapter = adapter_for(model)  # TypeError naming the supported classes
+    family = family_for(model)  # TypeError naming the supported classes
     if hasattr(model, "vskipper") and isinstance(getattr(model, "vskipper"), VSkipperState):
         raise ValueError("vskipper.transform: this model is already transformed; transform a fresh model")
-    stack = adapter.make_stack(model)
-    n_layers, hidden, dtype, device = _model_dims(model, stack.layers)
-    skipper.check_model(n_layers, hidden)
+    stack = family.make_stack(model)
+    p = next(stack.layers[0].parameters())
+    hidden, dtype, device = model.config.hidden_size, p.dtype, p.device
+    skipper.check_model(len(stack.layers), hidden)
     skipper.to(device=device, dtype=dtype)
-    state = VSkipperState(skipper, config, adapter).to(device)
-
-    def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
-        return RoutedLayer(i, adapter.make_attention(layer), getattr(layer, adapter.post_norm),
-                           getattr(layer, adapter.mlp), skipper.adapter(i), skipper.gate,
-                           mlp_weights=adapter.mlp_weights, static_shapes=config.static_shapes,
-                           check_sync=config.check_sync)
+    state = VSkipperState(skipper, config, family, device).to(device)
 
     calibration = None
     if config.execution == "auto":
@@ -77,20 +86,31 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
         calibration = cost.load(device, hidden, intermediate)
         if calibration is None:
             cost.warn_uncalibrated(device, hidden, intermediate)
-    route = RoutePass(skipper, make_routed, state.counters, adapter.input_norm)
-    dispatch = DispatchPass(config, calibration)
-    gm, _ = run_passes(trace_stack(stack), [route, dispatch, VerifyPass(n_layers, skipper.layers)])
-    state.rewritten, state.bodies = route.rewritten, dispatch.bodies
+
+    def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
+        state.bodies[i], state.reasons[i] = make_body(config, device, calibration)
+        return RoutedLayer(i, family.make_attention(layer), getattr(layer, family.post_norm),
+                           getattr(layer, family.mlp), skipper.adapter(i), skipper.gate, state.bodies[i],
+                           mlp_weights=family.mlp_weights, check_sync=config.check_sync)
+
+    route = RoutePass(skipper, make_routed, state.counters, family.input_norm)
+    gm, _ = run_passes(trace_stack(stack), [route, VerifyPass(len(stack.layers), skipper.layers)])
+    state.rewritten = route.rewritten
     model.vskipper = state
-    adapter.install(model, gm)
+    family.install(model, gm)
     return model
 
 
-def _state(model: nn.Module) -> VSkipperState:
+def _state(model: nn.Module, verb: str = "stats") -> VSkipperState:
     state = getattr(model, "vskipper", None)
     if not isinstance(state, VSkipperState):
-        raise ValueError("vskipper.stats: this model was not transformed by vskipper.transform")
+        raise ValueError(f"vskipper.{verb}: this model was not transformed by vskipper.transform")
     return state
+
+
+def explain(model: nn.Module) -> str:
+    """Per routed layer: which body runs, in which implementation, and why (`print(model.vskipper)`)."""
+    return _state(model, "explain").explain()
 
 
 def stats(model: nn.Module, reset: bool = False) -> dict[int, dict[str, int]]:
@@ -118,11 +138,7 @@ def from_pretrained(path, config: Config | None = None, dtype: torch.dtype = tor
 
     cfg = read_config(path)
     f = skipper_fields(cfg, path)
-    skipper = FlexiDepth(
-        f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
-        rms_norm_eps=f["rms_norm_eps"], gate=f["gate_mode"],
-        router_reduction_factor=f["router_reduction_factor"], proj_reduction_factor=f["proj_reduction_factor"],
-    )
+    skipper = FlexiDepth.from_fields(f)
     tensors = load_tensors(path)
     skipper.load_flexidepth_state_dict(tensors, source=str(path))
     model = build_base_model(cfg, f["family"], tensors, path, dtype)

@@ -39,8 +39,9 @@ class LayerBench:
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+        from vskipper.config import Config
         from vskipper.models.hf import HFAttention, mlp_weights
-        from vskipper.routed_layer import RoutedLayer
+        from vskipper.routed_layer import DenseBody, RoutedLayer, make_body
         from vskipper.skippers.flexidepth import FlexiDepthAdapter
 
         torch.manual_seed(seed)
@@ -49,8 +50,10 @@ class LayerBench:
         self.cfg._attn_implementation = "sdpa"
         self.layer = LlamaDecoderLayer(self.cfg, 0).to(device, dtype).eval()
         adapter = FlexiDepthAdapter(hidden, max(1, intermediate // 16)).to(device, dtype)
+        routed, _ = make_body(Config(execution="routed"), torch.device(device), None)  # as transform makes it here
+        self.bodies = {"dense": DenseBody(), "routed": routed}
         self.body = RoutedLayer(0, HFAttention(self.layer.self_attn), self.layer.post_attention_layernorm,
-                                self.layer.mlp, adapter, "soft", mlp_weights=mlp_weights)
+                                self.layer.mlp, adapter, "soft", routed, mlp_weights=mlp_weights)
         self.rope = LlamaRotaryEmbedding(self.cfg).to(device)
         self.device, self.dtype, self.context = device, dtype, context
         self.gen = torch.Generator().manual_seed(seed)
@@ -70,7 +73,14 @@ class LayerBench:
         ctx = dict(attention_mask=None, position_embeddings=self.rope(h, pos), position_ids=pos,
                    past_key_values=cache, use_cache=True)
         x = self.layer.input_layernorm(h)
-        return h, x, g, run, valid, ops.route_maps(run, valid), ctx
+        return h, x, g, run, valid, ops.route_maps(run, valid, impl=self.bodies["routed"].maps_impl), ctx
+
+    def add_auto(self, calibration: cost.Calibration):
+        """Add (or replace) body "auto": a fresh chooser over this bench's dense and routed bodies."""
+        from vskipper.routed_layer import AutoBody
+
+        self.bodies["auto"] = AutoBody(self.bodies["dense"], self.bodies["routed"], cost.Chooser(calibration))
+        return self.bodies["auto"]
 
     @torch.no_grad()
     def time(self, body: str, args, sync, inner: int = 3) -> float:
@@ -79,7 +89,7 @@ class LayerBench:
         for the caches that body left, and which body follows which would bias the comparison
         (measured: +10-30 us on a 0.3 ms step)."""
         h, x, g, run, valid, maps, ctx = args
-        self.body.body = body
+        self.body.body = self.bodies[body]
         self.body(h, x, g, run, valid, maps, **ctx)
         total = 0.0
         for _ in range(inner):

@@ -95,11 +95,8 @@ def inspect_command(args: argparse.Namespace) -> None:
     from vskipper.models.checkpoint import load_tensors, read_config, skipper_fields
     from vskipper.skippers.flexidepth import FlexiDepth
 
-    cfg = read_config(args.path)
-    f = skipper_fields(cfg, args.path)
-    sk = FlexiDepth(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
-                    gate=f["gate_mode"], router_reduction_factor=f["router_reduction_factor"],
-                    proj_reduction_factor=f["proj_reduction_factor"])
+    f = skipper_fields(read_config(args.path), args.path)
+    sk = FlexiDepth.from_fields(f)
     sk.load_flexidepth_state_dict(load_tensors(args.path, keys=sk.expected_shapes()), source=str(args.path))
     print(json.dumps({k: v for k, v in f.items()}, indent=2))
     print(f"skipper tensors: {len(sk.expected_shapes())} present with the expected shapes")

@@ -8,8 +8,8 @@ RUN fraction, non-decreasing in f; linear in f within a grid row, linear in log2
 (Calibration._rows, predict). Calibrations are cached per device name, shape and
 torch / triton / vskipper versions; a mismatch is ignored with a warning, never trusted.
 
-Where the choice is made: in `AutoBody.choose`, on the host, once per routed layer and step,
-from T (the row count, a shape) and the layer's RUN fraction:
+Where the choice is made: in `Chooser.choose` (held by routed_layer.AutoBody), on the host,
+once per routed layer and step, from T (the row count, a shape) and the layer's RUN fraction:
   - on CPU the route counts are read directly (no device to wait for);
   - on an accelerator the fraction is an EMA of earlier steps' counts, copied to pinned host
     memory without blocking and read one step later: the choice never waits for the device.
@@ -31,6 +31,8 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+
+from vskipper import cache
 
 GRID_T = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GRID_F = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -60,22 +62,12 @@ METHOD = "3"  # how calibrate measures (KV pool, rounds in random order, paired 
 
 
 def versions() -> dict[str, str]:
-    import vskipper
-
-    out = {"torch": torch.__version__, "vskipper": vskipper.__version__, "method": METHOD}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = "none"
-    return out
+    """What a calibration must have been made with to be trusted (vskipper/cache.py), and how."""
+    return {**cache.versions(), "method": METHOD}
 
 
 def cache_dir() -> Path:
-    from vskipper.models.smollm2 import cache_root
-
-    return cache_root() / "cost"
+    return cache.root() / "cost"
 
 
 SHIPPED_DIR = Path(__file__).parent / "data" / "cost"
@@ -152,7 +144,7 @@ class Calibration:
 
 
 def _file_name(device: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in device) + ".json"
+    return cache.slug(device) + ".json"
 
 
 def save(cal: Calibration, directory: Path | None = None) -> Path:
@@ -176,9 +168,10 @@ def load(device: torch.device | str, hidden: int, intermediate: int) -> Calibrat
         for e in json.loads(path.read_text()):
             if e["device"] != name:
                 continue
-            if e["versions"] != ver:
-                warnings.warn(f"vskipper: ignoring a stale cost calibration in {path} (made with {e['versions']}, "
-                              f"running {ver}); run `vskipper calibrate` again", stacklevel=2)
+            why = cache.mismatch(e["versions"], ver)
+            if why:
+                cache.warn_ignored("a stale cost calibration in", path,
+                                   f"made with {why}; run `vskipper calibrate` again")
                 continue
             found.append(Calibration.from_json(e))
         if found:
@@ -188,8 +181,9 @@ def load(device: torch.device | str, hidden: int, intermediate: int) -> Calibrat
     return min(found, key=lambda c: abs(math.log(c.hidden * c.intermediate / (hidden * intermediate))))
 
 
-class AutoBody:
-    """The per-layer chooser of Config(execution="auto") (see the module docstring)."""
+class Chooser:
+    """The per-layer, per-step choice of routed_layer.AutoBody (Config(execution="auto")): dense or
+    routed, from the calibration (see the module docstring)."""
 
     def __init__(self, calibration: Calibration, ema: float = 0.5, margin: float = 0.03) -> None:
         self.cal, self.alpha, self.margin = calibration, ema, margin

@@ -15,41 +15,33 @@ from __future__ import annotations
 
 import torch
 
-from vskipper.skippers.base import Skipper, sanitize_gate
+from vskipper.models.rotary import apply_rope, rope_tables
+from vskipper.skippers.base import Skipper, gate_combine, sanitize_gate
 
 
-def _rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _attention(attn, x, cos, sin):
-    """Causal self-attention over one sequence. x [S, H] -> [S, H]."""
-    S = x.shape[0]
+def attention(attn, x, cos, sin):
+    """Causal self-attention of a transformers Llama/Qwen3 attention module, written out by hand.
+    x [B, S, H] (or [S, H]) -> the same shape; cos/sin [S, d]. Differentiable (the training forward
+    uses it too)."""
+    if x.dim() == 2:
+        return attention(attn, x[None], cos, sin)[0]
+    B, S, _ = x.shape
     d = attn.head_dim
-    q = attn.q_proj(x).view(S, -1, d)  # [S, nh, d]
-    k = attn.k_proj(x).view(S, -1, d)  # [S, kvh, d]
-    v = attn.v_proj(x).view(S, -1, d)
+    q = attn.q_proj(x).view(B, S, -1, d)  # [B, S, nh, d]
+    k = attn.k_proj(x).view(B, S, -1, d)  # [B, S, kvh, d]
+    v = attn.v_proj(x).view(B, S, -1, d)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
-    k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [S, nh, d]
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * attn.scaling  # [nh, S, S]
+    c, s = cos[:, None], sin[:, None]  # [S, 1, d]
+    q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)  # [B, S, nh, d]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * attn.scaling  # [B, nh, S, S]
     causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     p = torch.softmax(scores, dim=-1)
-    o = torch.einsum("hqk,khd->qhd", p, v.float()).to(x.dtype).reshape(S, -1)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(x.dtype).reshape(B, S, -1)
     return attn.o_proj(o)
-
-
-def _rope_tables(model, S, device, dtype):
-    rot = model.model.rotary_emb
-    pos = torch.arange(S, device=device, dtype=torch.float32)
-    freqs = pos[:, None] * rot.inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * rot.attention_scaling).to(dtype), (emb.sin() * rot.attention_scaling).to(dtype)
 
 
 @torch.no_grad()
@@ -62,27 +54,21 @@ def reference_forward(model, skipper: Skipper, input_ids: torch.Tensor):
     h = inner.embed_tokens(ids)  # [S, H]
     S = ids.numel()
     positions = torch.arange(S, device=ids.device)
-    cos, sin = _rope_tables(model, S, ids.device, h.dtype)
+    cos, sin = rope_tables(inner.rotary_emb, S, ids.device, h.dtype)
     decisions, gates = {}, {}
     routed = set(skipper.layers)
     for i, layer in enumerate(inner.layers):
         x = layer.input_layernorm(h)
-        h1 = h + _attention(layer.self_attn, x, cos, sin)  # K/V of every token feed every query
-        run_out = layer.mlp(layer.post_attention_layernorm(h1))
+        h1 = h + attention(layer.self_attn, x, cos, sin)  # K/V of every token feed every query
+        m = layer.mlp(layer.post_attention_layernorm(h1))
         if i not in routed:
-            h = h1 + run_out
+            h = h1 + m
             continue
         g, run, _ = sanitize_gate(skipper.router(i)(x, positions, ids), skipper.threshold)
         decisions[i], gates[i] = run, g
-        gm = g[:, None].to(h.dtype)
         adapter = skipper.adapter(i)
-        if skipper.gate == "soft":
-            run_out = h1 + gm * run_out
-            proj_out = h if adapter is None else h + (1 - gm) * adapter(layer.post_attention_layernorm(h))
-        else:
-            run_out = h1 + run_out
-            proj_out = h if adapter is None else h + adapter(layer.post_attention_layernorm(h))
-        h = torch.where(run[:, None], run_out, proj_out)
+        p = None if adapter is None else adapter(layer.post_attention_layernorm(h))
+        h = gate_combine(h, h1, m, p, g, run, soft=skipper.gate == "soft")
     logits = model.lm_head(inner.norm(h))
     return logits, decisions, gates
 

@@ -1,37 +1,148 @@
-"""The body a routed layer becomes.
+"""The routed layer and the bodies that compute it.
 
-For routed layer l with x = input_layernorm(h) and gate g (ARCHITECTURE.md):
+For routed layer l with x = input_layernorm(h) and gate g (docs/architecture.md), row by row as
+vskipper/skippers/base.py states it (run_value, project_value, gate_combine):
     K, V of x for ALL rows are written to the cache
     RUN:     h1 = h + attn(x);  out = h1 + g * mlp(post_attention_layernorm(h1))   (g = 1 if hard)
     PROJECT: out = h + (1 - g) * adapter(post_attention_layernorm(h))             (identity if no adapter)
-    invalid (padding) rows: out = h
-Three bodies compute it:
-  dense   every row through attention, MLP and adapter; a mask selects;
-  routed  RUN rows gathered through attention and MLP, PROJECT rows through the adapter,
-          scattered back; two variants:
-          dynamic  slices to the real counts (host sync; the fast path on CPU);
-          static   fixed shapes, device-side counts, grouped ops (no host sync: CUDA graphs).
-Attention comes from the family's attention adapter, which knows the engine's cache:
-`all_rows(x, ctx)`, `some_rows(x, rows, ctx)`, `masked_rows(x, run, ctx)`; all write K/V for
-every row. Shapes: T = rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
+    padding (valid False): out = h
+Bodies compute it; which one a layer runs is decided once, at transform time, by `make_body`:
+  DenseBody         every row through attention, MLP and adapter; a mask selects;
+  RoutedBody        RUN rows gathered through attention and MLP, PROJECT rows through the adapter,
+                    scattered back, slicing to the real counts (reads them on the host: CPU);
+  FixedRoutedBody   the same with fixed shapes, device-side counts and vskipper's grouped ops
+                    (no host sync: CUDA graphs), in the ops implementation it was given;
+  AutoBody          a dense and a routed body, and the cost model's chooser between them per step.
+Attention comes from the family's attention part, which knows the engine's cache:
+`all_rows(x, ctx)`, `some_rows(x, rows, ctx)`, `masked_rows(x, run, ctx, impl)`; all write K/V
+for every row. Shapes: T = rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
 
-from vskipper import ops
+from vskipper import cost, ops
+from vskipper.config import Config
 from vskipper.guard import NoHostSync
+from vskipper.skippers.base import gate_combine, project_value, run_value
 
-BODIES = ("dense", "routed", "auto")  # auto: self.chooser (cost.AutoBody) picks dense or routed per step
+
+class Body:
+    """What a routed layer runs. `needs_maps`: the layer is given route_maps(run, valid, impl=maps_impl)."""
+
+    name = "body"
+    needs_maps = True
+    maps_impl = "torch"
+
+    def __call__(self, layer: "RoutedLayer", h, x, g, run, valid, maps, ctx):
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+class DenseBody(Body):
+    name = "dense"
+    needs_maps = False
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        h1 = h + layer.attention.all_rows(x, ctx)  # [..., H]
+        m = layer.mlp(layer.post_norm(h1))
+        p = None if layer.adapter is None else layer.adapter(layer.post_norm(h))
+        return gate_combine(h, h1, m, p, g, run, valid, layer.soft)
+
+    def describe(self) -> str:
+        return "dense-masked"
+
+
+class RoutedBody(Body):
+    name = "routed"
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        run_rows, project_rows, counts = maps
+        n_run, n_proj = counts.tolist()  # the dynamic form: data-dependent shapes are allowed here
+        hf = h.reshape(-1, h.shape[-1])  # [T, H]
+        gf = g.reshape(-1)  # [T]
+        out = hf.clone()
+        rr = run_rows[:n_run].long()
+        a = layer.attention.some_rows(x, rr, ctx)  # [n_run, H]; K/V written for all rows
+        if n_run:
+            h1 = hf[rr] + a
+            out[rr] = run_value(h1, layer.mlp(layer.post_norm(h1)), gf[rr], layer.soft)
+        if layer.adapter is not None and n_proj:
+            pr = project_rows[:n_proj].long()
+            hp = hf[pr]
+            out[pr] = project_value(hp, layer.adapter(layer.post_norm(hp)), gf[pr], layer.soft)
+        return out.view_as(h)
+
+    def describe(self) -> str:
+        return "routed, dynamic shapes (torch; counts read on the host)"
+
+
+class FixedRoutedBody(Body):
+    name = "routed"
+
+    def __init__(self, impl: str) -> None:
+        self.impl = self.maps_impl = impl
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        run_rows, project_rows, counts = maps
+        H = h.shape[-1]
+        hf = h.reshape(-1, H)  # [T, H]
+        gf = g.reshape(-1).to(h.dtype)  # [T]
+        a = layer.attention.masked_rows(x, (run & valid).reshape(-1), ctx, self.impl).reshape(-1, H)  # [T, H]
+        h1 = hf + a
+        out = hf.clone()
+        ops.grouped_swiglu_(out, h1, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(),
+                            gf if layer.soft else None, impl=self.impl)  # run_value
+        if layer.adapter is not None:
+            ops.grouped_swiglu_(out, hf, layer.post_norm(hf), project_rows, counts[1:2],
+                                *layer.adapter.swiglu_weights(), 1 - gf if layer.soft else None,
+                                impl=self.impl)  # project_value
+        return out.view_as(h)
+
+    def describe(self) -> str:
+        return f"routed, fixed shapes ({self.impl} ops; no host sync)"
+
+
+class AutoBody(Body):
+    name = "auto"
+
+    def __init__(self, dense: DenseBody, routed: Body, chooser: cost.Chooser) -> None:
+        self.dense, self.routed, self.chooser = dense, routed, chooser
+        self.maps_impl = routed.maps_impl
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        pick = self.chooser.choose(h.numel() // h.shape[-1], maps[2])
+        return (self.routed if pick == "routed" else self.dense)(layer, h, x, g, run, valid, maps, ctx)
+
+    def describe(self) -> str:
+        return f"auto: {self.dense.describe()} or {self.routed.describe()}, per step by the cost model"
+
+
+def make_body(config: Config, device: torch.device, calibration: cost.Calibration | None) -> tuple[Body, str]:
+    """The body of one routed layer of a model on `device`, and why: decided here, once."""
+    impl = ops.resolve_impl(config.impl, device)
+    fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
+    routed = FixedRoutedBody(impl) if fixed else RoutedBody()
+    shapes = (f"static_shapes={config.static_shapes}" if config.static_shapes is not None
+              else f"fixed shapes on {device.type}" if fixed else f"dynamic shapes on {device.type}")
+    if config.execution == "dense":
+        return DenseBody(), "execution='dense'"
+    if config.execution == "routed":
+        return routed, f"execution='routed', {shapes}, impl={impl!r}"
+    if calibration is None:
+        return DenseBody(), "execution='auto' without a cost calibration for this device (run `vskipper calibrate`)"
+    return (AutoBody(DenseBody(), routed, cost.Chooser(calibration)),
+            f"execution='auto', {shapes}, impl={impl!r}, calibration {calibration.key()!r}")
 
 
 class RoutedLayer(nn.Module):
+    """A routed decoder layer: the layer's own parts and the skipper's adapter, run by `body`."""
+
     def __init__(self, index: int, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module,
-                 adapter: nn.Module | None, gate: str, mlp_weights=None, body: str = "routed",
-                 static_shapes: bool | None = None, check_sync: bool = False) -> None:
+                 adapter: nn.Module | None, gate: str, body: Body, mlp_weights=None, check_sync: bool = False) -> None:
         super().__init__()
         self.index = index
         self.attention = attention
@@ -40,75 +151,21 @@ class RoutedLayer(nn.Module):
         self.adapter = adapter
         self.soft = gate == "soft"
         self.body = body
-        self.static_shapes = static_shapes
         self.check_sync = check_sync
-        self._mlp_weights = mlp_weights  # mlp -> (w_gate, w_up, w_down), for the static body
-        self.chooser = None  # cost.AutoBody when body == "auto"
+        self._mlp_weights = mlp_weights  # mlp -> (w_gate, w_up, w_down), for the fixed-shape body
+
+    def mlp_weights(self):
+        return self._mlp_weights(self.mlp)
 
     def forward(self, h, x, g, run, valid, maps, **ctx):
         # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) or None (dense)
-        guard = self.check_sync and self.attention.is_decode(x, ctx)
-        with NoHostSync(f"routed layer {self.index}") if guard else contextlib.nullcontext():
-            body = self.body
-            if body == "auto" and maps is not None:
-                body = self.chooser.choose(h.numel() // h.shape[-1], maps[2])
-            if body == "dense" or maps is None:
-                return self._dense(h, x, g, run, valid, ctx)
-            static = h.is_cuda if self.static_shapes is None else self.static_shapes
-            if static:
-                return self._static(h, x, g, run, valid, maps, ctx)
-            return self._dynamic(h, x, g, maps, ctx)
-
-    def _dense(self, h, x, g, run, valid, ctx):
-        a = self.attention.all_rows(x, ctx)  # [..., H]
-        h1 = h + a
-        m = self.mlp(self.post_norm(h1))
-        gm = g.unsqueeze(-1).to(h.dtype)
-        run_out = h1 + gm * m if self.soft else h1 + m
-        if self.adapter is None:
-            proj_out = h
-        else:
-            p = self.adapter(self.post_norm(h))
-            proj_out = h + (1 - gm) * p if self.soft else h + p
-        return torch.where(run.unsqueeze(-1), run_out, torch.where(valid.unsqueeze(-1), proj_out, h))
-
-    def _dynamic(self, h, x, g, maps, ctx):
-        run_rows, project_rows, counts = maps
-        n_run, n_proj = counts.tolist()  # the torch path: data-dependent shapes are allowed here
-        hf = h.reshape(-1, h.shape[-1])  # [T, H]
-        gf = g.reshape(-1, 1).to(h.dtype)  # [T, 1]
-        out = hf.clone()
-        rr = run_rows[:n_run].long()
-        a = self.attention.some_rows(x, rr, ctx)  # [n_run, H]; K/V written for all rows
-        if n_run:
-            h1 = hf[rr] + a
-            m = self.mlp(self.post_norm(h1))
-            out[rr] = h1 + gf[rr] * m if self.soft else h1 + m
-        if self.adapter is not None and n_proj:
-            pr = project_rows[:n_proj].long()
-            hp = hf[pr]
-            p = self.adapter(self.post_norm(hp))
-            out[pr] = hp + (1 - gf[pr]) * p if self.soft else hp + p
-        return out.view_as(h)
-
-    def _static(self, h, x, g, run, valid, maps, ctx):
-        run_rows, project_rows, counts = maps
-        H = h.shape[-1]
-        hf = h.reshape(-1, H)  # [T, H]
-        gf = g.reshape(-1).to(h.dtype)  # [T]
-        with ops.fixed_shapes():
-            a = self.attention.masked_rows(x, (run & valid).reshape(-1), ctx).reshape(-1, H)  # [T, H]
-            h1 = hf + a
-            out = hf.clone()
-            ops.grouped_swiglu_(out, h1, self.post_norm(h1), run_rows, counts[0:1], *self._mlp_weights(self.mlp),
-                                gf if self.soft else None)
-            if self.adapter is not None:
-                ops.grouped_swiglu_(out, hf, self.post_norm(hf), project_rows, counts[1:2],
-                                    *self.adapter.swiglu_weights(), 1 - gf if self.soft else None)
-        return out.view_as(h)
+        if self.check_sync and self.attention.is_decode(x, ctx):
+            with NoHostSync(f"routed layer {self.index}"):
+                return self.body(self, h, x, g, run, valid, maps, ctx)
+        return self.body(self, h, x, g, run, valid, maps, ctx)
 
     def extra_repr(self) -> str:
-        return f"index={self.index}, body={self.body!r}, soft={self.soft}, static_shapes={self.static_shapes}"
+        return f"index={self.index}, body={self.body.describe()!r}, soft={self.soft}"
 
 
 class RouteCounter(nn.Module):

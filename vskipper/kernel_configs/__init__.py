@@ -1,15 +1,15 @@
 """Per-GPU kernel configs, strictly keyed (the FlashInfer way).
 
 A tuned table is a JSON file named after the GPU (`nvidia_h200.json` for "NVIDIA H200": H100 and
-H200 are both sm90, so the key is the name, not the capability), stamped with the GPU name and the
-torch, triton and vskipper versions it was measured with:
+H200 are both sm90, so the key is the name, not the capability), stamped (vskipper/cache.py) with
+the GPU name and the torch, triton and vskipper versions it was measured with:
 
-    {"meta": {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "vskipper": "0.1.0"},
-     "configs": {"grouped_linear": {"16": {"BLOCK_M": 16, ...}, "64": {...}}, ...}}
+    {"meta": {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "vskipper": "0.1.0"},
+     "configs": {"grouped_swiglu_": {"16": {"gate_up": {...}, "down": {...}}, ...}, ...}}
 
 Keys under an op are token-count buckets (the next power of two). Tables are looked up in the
-user cache (`$XDG_CACHE_HOME/vskipper/kernel_configs`, written by `bench/kernels.py --tune`), then
-in this package. A table whose stamp does not match this GPU and these versions is ignored with a
+cache (`<vskipper cache>/kernel_configs`, written by `bench/kernel_timings.py --tune`), then in
+this package. A table whose stamp does not match this GPU and these versions is ignored with a
 warning, never trusted. Without a table, or with VSKIPPER_AUTOTUNE=0, every op uses the untuned
 defaults written in its own file (`vskipper/triton_kernels/<op>.py`, `default_config`).
 """
@@ -18,12 +18,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from vskipper import cache
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 AUTOTUNE_VALUES = ("0", "1")
@@ -42,46 +42,27 @@ def autotune_enabled() -> bool:
     return value == "1"
 
 
-def slug(gpu: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
-
-
-def stamp(gpu: str) -> dict[str, str]:
-    """What a table must have been measured with to be trusted here."""
-    import triton
-
-    import vskipper
-
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "vskipper": vskipper.__version__}
-
-
 def search_dirs() -> list[Path]:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vskipper" / "kernel_configs"
-    return [cache, PACKAGE_DIR]
+    return [cache.root() / "kernel_configs", PACKAGE_DIR]
 
 
 @functools.lru_cache(maxsize=None)
 def tuned_table(gpu: str, dirs: tuple[Path, ...] | None = None) -> dict[str, dict[str, dict]]:
     """{op: {bucket: config}} of the first table for `gpu` whose stamp matches; {} if none does."""
-    want = stamp(gpu)
+    want = cache.stamp(gpu)
     for d in dirs if dirs is not None else search_dirs():
-        path = Path(d) / f"{slug(gpu)}.json"
+        path = Path(d) / f"{cache.slug(gpu)}.json"
         if not path.is_file():
             continue
         try:
             data = json.loads(path.read_text())
-            meta, configs = data["meta"], data["configs"]
+            meta, configs = dict(data["meta"]), data["configs"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"vskipper: ignoring unreadable kernel-config table {path}: {e}", stacklevel=2)
+            cache.warn_ignored("unreadable kernel-config table", path, str(e))
             continue
-        if meta.get("gpu") != gpu:
-            warnings.warn(f"vskipper: ignoring foreign kernel-config table {path}: tuned on "
-                          f"{meta.get('gpu')!r}, this is {gpu!r}", stacklevel=2)
-            continue
-        stale = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
-        if stale:
-            diff = ", ".join(f"{k} {have!r} (now {now!r})" for k, (have, now) in stale.items())
-            warnings.warn(f"vskipper: ignoring stale kernel-config table {path}: tuned with {diff}", stacklevel=2)
+        why = cache.mismatch(meta, want)
+        if why:
+            cache.warn_ignored("kernel-config table", path, f"tuned with {why}")
             continue
         return configs
     return {}
@@ -110,9 +91,9 @@ def pick(op_table: dict[str, dict], b: int, default: dict) -> dict:
 
 
 def save(configs: dict[str, dict[str, dict]], gpu: str, directory: Path | str) -> Path:
-    """Write a stamped table for `gpu` (used by bench/kernels.py --tune)."""
-    path = Path(directory) / f"{slug(gpu)}.json"
+    """Write a stamped table for `gpu` (used by bench/kernel_timings.py --tune)."""
+    path = Path(directory) / f"{cache.slug(gpu)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": stamp(gpu), "configs": configs}, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps({"meta": cache.stamp(gpu), "configs": configs}, indent=1, sort_keys=True) + "\n")
     tuned_table.cache_clear()
     return path

@@ -1,10 +1,12 @@
-"""Model family adapters: where a model's decoder layers are and how to call their parts.
+"""Model families: where a model's decoder layers are and how to call their parts.
 
-An adapter is data plus a few small functions; `adapter_for(model)` finds the one that
-matches a model instance, or raises TypeError naming every supported class.
+A family is data plus a few small functions; `family_for(model)` finds the one that matches a
+model instance, or raises TypeError naming every supported class. (Not to be confused with a
+skipper's adapter, FlexiDepth's small MLP for PROJECT rows.)
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from importlib import import_module
 
@@ -12,14 +14,14 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class ModelAdapter:
+class ModelFamily:
     """A family of models vskipper can transform.
 
     module/cls: where the model class lives (imported lazily: nothing here needs SGLang).
     make_stack(model) -> DecoderStack module with `layers` (the decoder layers, fx leaves).
-    make_attention(layer) -> the attention adapter for a routed layer (all_rows / some_rows).
-    install(model, stack_gm) -> route the model's forward through the transformed stack.
-    mlp_weights(mlp) -> (w_gate, w_up, w_down) of a decoder layer's SwiGLU MLP (static body).
+    make_attention(layer) -> the attention part of a routed layer (all_rows / some_rows / masked_rows).
+    forward: the inner model's forward after the transform (calls `self._vskipper_stack`).
+    mlp_weights(mlp) -> (w_gate, w_up, w_down) of a decoder layer's SwiGLU MLP (fixed-shape body).
     """
 
     name: str
@@ -27,7 +29,7 @@ class ModelAdapter:
     cls: str
     make_stack: object
     make_attention: object
-    install: object
+    forward: object
     mlp_weights: object = None
     input_norm: str = "input_layernorm"
     post_norm: str = "post_attention_layernorm"
@@ -42,22 +44,29 @@ class ModelAdapter:
             return False  # never import an engine the model does not come from
         return isinstance(model, self.model_class())
 
+    def install(self, model: nn.Module, stack_gm) -> None:
+        """Route this one model instance's inner forward through the transformed stack (an instance
+        attribute: no class is patched)."""
+        inner = model.model
+        object.__setattr__(inner, "_vskipper_stack", stack_gm)  # not a submodule: its modules are the model's own
+        inner.forward = types.MethodType(self.forward, inner)
 
-_ADAPTERS: list[ModelAdapter] = []
+
+_FAMILIES: list[ModelFamily] = []
 
 
-def register_adapter(adapter: ModelAdapter) -> None:
-    _ADAPTERS.append(adapter)
+def register_family(family: ModelFamily) -> None:
+    _FAMILIES.append(family)
 
 
 def supported() -> list[str]:
-    return [a.name for a in _ADAPTERS]
+    return [f.name for f in _FAMILIES]
 
 
-def adapter_for(model: nn.Module) -> ModelAdapter:
-    for a in _ADAPTERS:
-        if a.matches(model):
-            return a
+def family_for(model: nn.Module) -> ModelFamily:
+    for f in _FAMILIES:
+        if f.matches(model):
+            return f
     raise TypeError(
         f"vskipper.transform: unsupported model class {type(model).__module__}.{type(model).__name__}; "
         f"supported: {', '.join(supported())}"

@@ -7,25 +7,18 @@ embeddings, masks and rotary tables as transformers does, then call the stack.
 from __future__ import annotations
 
 import threading
-import types
 
 import torch
 from torch import nn
 
-from vskipper.models import ModelAdapter, register_adapter
+from vskipper.models import ModelFamily, register_family
+from vskipper.models.rotary import apply_rope
 
 # Shapes: B = batch, S = new tokens per sequence, Skv = cached + new, nh/kvh = heads, d = head dim.
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # t [B, heads, S, d]; cos/sin [B, S, d] -> same arithmetic as transformers' apply_rotary_pos_emb
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (t * cos) + (_rotate_half(t) * sin)
+    return apply_rope(t, cos.unsqueeze(1), sin.unsqueeze(1))  # t [B, heads, S, d]; cos/sin [B, S, d]
 
 
 _LOCAL = threading.local()  # .scratch: (dtype, "k"/"v") -> flat CPU buffer, shared by a thread's layers
@@ -65,7 +58,7 @@ class HFAttention(nn.Module):
     def all_rows(self, x, ctx):
         return self.attn(hidden_states=x, **ctx)[0]  # exactly the stock module: [B, S, H]
 
-    def masked_rows(self, x, run, ctx):
+    def masked_rows(self, x, run, ctx, impl):
         return self.all_rows(x, ctx)  # transformers runs eagerly: no graph to keep static
 
     @staticmethod
@@ -189,12 +182,6 @@ def _skip_aware_forward(self, input_ids=None, attention_mask=None, position_ids=
                                    past_key_values=past_key_values if use_cache else None)
 
 
-def install(model, stack_gm) -> None:
-    inner = model.model
-    object.__setattr__(inner, "_vskipper_stack", stack_gm)  # not a submodule: its modules are the model's own
-    inner.forward = types.MethodType(_skip_aware_forward, inner)
-
-
 def mlp_weights(mlp):
     """(w_gate [I, H], w_up [I, H], w_down [H, I]) of a transformers SwiGLU MLP."""
     return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
@@ -204,6 +191,6 @@ for _name, _module, _cls in (
     ("transformers LlamaForCausalLM", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
     ("transformers Qwen3ForCausalLM", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
 ):
-    register_adapter(ModelAdapter(name=_name, module=_module, cls=_cls, make_stack=make_stack,
-                                  make_attention=lambda layer: HFAttention(layer.self_attn), install=install,
-                                  mlp_weights=mlp_weights))
+    register_family(ModelFamily(name=_name, module=_module, cls=_cls, make_stack=make_stack,
+                                make_attention=lambda layer: HFAttention(layer.self_attn),
+                                forward=_skip_aware_forward, mlp_weights=mlp_weights))

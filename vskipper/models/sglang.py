@@ -7,12 +7,10 @@ without the fused add+norm. Tensor parallelism and pipeline parallelism are not 
 (transform raises). Shapes: T = tokens of all requests flattened, H = hidden."""
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
-from vskipper.models import ModelAdapter, register_adapter
+from vskipper.models import ModelFamily, register_family
 
 
 class SGLangLayer(nn.Module):
@@ -76,8 +74,7 @@ class SGLangAttention(nn.Module):
         out, _ = self.self_attn.o_proj(o[rows].reshape(n, -1))
         return out
 
-
-    def masked_rows(self, x, run, ctx):
+    def masked_rows(self, x, run, ctx, impl):
         """Attention output [T, H], meaningful for rows with `run` set; fixed shapes, no host sync."""
         if not ctx["forward_batch"].forward_mode.is_decode():
             return self.all_rows(x, ctx)
@@ -88,7 +85,7 @@ class SGLangAttention(nn.Module):
         q, pool, layer, fb = self._qkv_and_write(x, ctx)
         o = ops.masked_decode_attention(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                                         get_req_to_token_pool().req_to_token, fb.req_pool_indices, fb.seq_lens,
-                                        run, layer.scaling)
+                                        run, layer.scaling, impl=impl)
         out, _ = self.self_attn.o_proj(o.reshape(q.shape[0], -1))
         return out
 
@@ -129,12 +126,6 @@ def _skip_aware_forward(self, input_ids, positions, forward_batch, input_embeds=
     return self.norm(h)
 
 
-def install(model, stack_gm) -> None:
-    inner = model.model
-    object.__setattr__(inner, "_vskipper_stack", stack_gm)
-    inner.forward = types.MethodType(_skip_aware_forward, inner)
-
-
 def mlp_weights(mlp):
     """(w_gate [I, H], w_up [I, H], w_down [H, I]) of an SGLang MLP (merged gate_up_proj)."""
     w = mlp.gate_up_proj.weight
@@ -146,6 +137,6 @@ for _name, _module, _cls in (
     ("sglang LlamaForCausalLM", "sglang.srt.models.llama", "LlamaForCausalLM"),
     ("sglang Qwen3ForCausalLM", "sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
 ):
-    register_adapter(ModelAdapter(name=_name, module=_module, cls=_cls, make_stack=make_stack,
-                                  make_attention=lambda layer: SGLangAttention(layer.self_attn), install=install,
-                                  mlp_weights=mlp_weights))
+    register_family(ModelFamily(name=_name, module=_module, cls=_cls, make_stack=make_stack,
+                                make_attention=lambda layer: SGLangAttention(layer.self_attn),
+                                forward=_skip_aware_forward, mlp_weights=mlp_weights))

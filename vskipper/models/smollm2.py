@@ -3,15 +3,10 @@ converted once to an f32 safetensors directory that transformers and SGLang both
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("VSKIPPER_CACHE", Path.home() / ".cache" / "vskipper"))
 
 
 def gguf_path() -> Path:
@@ -31,7 +26,9 @@ def gguf_path() -> Path:
 def smollm2_dir(root: Path | None = None) -> Path:
     """A directory with config.json, model.safetensors and the tokenizer of SmolLM2-135M-Instruct
     (f32). Built on first use (about 20 s), then reused."""
-    out = (root or cache_root()) / "SmolLM2-135M-Instruct"
+    from vskipper import cache
+
+    out = (root or cache.root()) / "SmolLM2-135M-Instruct"
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
     import torch

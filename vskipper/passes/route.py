@@ -1,5 +1,9 @@
 """RoutePass: at every routed layer, insert norm -> router -> route decisions -> route maps ->
-route counter -> routed layer, in place of the plain decoder-layer call."""
+route counter -> routed layer, in place of the plain decoder-layer call.
+
+Each routed layer comes with its body, already chosen (routed_layer.make_body); the graph records
+it (node.meta["vskipper"]["body"]) and carries a route-maps node, in the ops implementation the
+body names, only where the body needs one."""
 from __future__ import annotations
 
 import operator
@@ -19,6 +23,7 @@ class RoutePass(Pass):
 
     def __init__(self, skipper: Skipper, make_routed: Callable[[int, nn.Module], nn.Module],
                  counters: nn.ModuleDict, input_norm: str) -> None:
+        """make_routed(i, decoder layer) -> the RoutedLayer of layer i, its body chosen."""
         self.skipper, self.make_routed, self.counters, self.input_norm = skipper, make_routed, counters, input_norm
         self.rewritten: list[int] = []
 
@@ -45,7 +50,9 @@ class RoutePass(Pass):
                 raise PassError(self.name, node.target, f"decoder layer has no {self.input_norm!r}")
             gm.add_submodule(f"routers.{i}", self.skipper.router(i))
             gm.add_submodule(f"counters.{i}", self.counters[str(i)])
-            gm.add_submodule(f"routed.{i}", self.make_routed(i, layer))
+            routed = self.make_routed(i, layer)
+            gm.add_submodule(f"routed.{i}", routed)
+            body = routed.body
             h = node.args[0]
             with g.inserting_before(node):
                 x = g.call_module(f"{node.target}.{self.input_norm}", (h,))
@@ -54,12 +61,15 @@ class RoutePass(Pass):
                 gate = g.call_function(operator.getitem, (dec, 0))
                 run = g.call_function(operator.getitem, (dec, 1))
                 bad = g.call_function(operator.getitem, (dec, 2))
-                maps = g.call_function(ops.route_maps, (run, ph["valid"]))
+                maps = (g.call_function(ops.route_maps, (run, ph["valid"]), {"impl": body.maps_impl})
+                        if body.needs_maps else None)
                 g.call_module(f"counters.{i}", (run, ph["valid"], bad))
                 out = g.call_module(f"routed.{i}", (h, x, gate, run, ph["valid"], maps), dict(node.kwargs))
             for n, role in ((x, "input_norm"), (raw, "router"), (dec, "decide"), (maps, "route_maps"),
                             (out, "routed_layer")):
-                n.meta["vskipper"] = {"layer": i, "role": role}
+                if n is not None:
+                    n.meta["vskipper"] = {"layer": i, "role": role}
+            out.meta["vskipper"]["body"] = body.name
             node.replace_all_uses_with(out)
             g.erase_node(node)
             self.rewritten.append(i)

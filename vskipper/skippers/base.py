@@ -88,3 +88,28 @@ def sanitize_gate(g: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torc
     nonfinite = ~torch.isfinite(g)
     g = torch.where(nonfinite, torch.ones_like(g), g)
     return g, g > threshold, nonfinite
+
+
+# --- the gate arithmetic: the one statement of what a routed layer computes per row ------------
+# h [..., H] the layer's input; h1 = h + attention(x) for RUN rows; m = mlp(post_ln(h1)); p =
+# adapter(post_ln(h)) or None (no adapter: identity); g [...] the sanitized gate. Every body, the
+# reference and the training forward compute their rows with these; the Triton epilogue
+# (grouped_swiglu_: residual + weight * y) is tested against them.
+
+def run_value(h1: torch.Tensor, m: torch.Tensor, g: torch.Tensor, soft: bool) -> torch.Tensor:
+    """A RUN row: h1 + g * m (soft gate) or h1 + m (hard gate)."""
+    return h1 + g.unsqueeze(-1).to(h1.dtype) * m if soft else h1 + m
+
+
+def project_value(h: torch.Tensor, p: torch.Tensor | None, g: torch.Tensor, soft: bool) -> torch.Tensor:
+    """A PROJECT row: h + (1 - g) * p (soft gate) or h + p (hard gate); h itself without an adapter."""
+    if p is None:
+        return h
+    return h + (1 - g.unsqueeze(-1).to(h.dtype)) * p if soft else h + p
+
+
+def gate_combine(h, h1, m, p, g, run, valid=None, soft: bool = True) -> torch.Tensor:
+    """Every row of a routed layer: RUN rows run_value, PROJECT rows project_value, padding rows
+    (valid False) h unchanged. run, valid [...] bool."""
+    out = torch.where(run.unsqueeze(-1), run_value(h1, m, g, soft), project_value(h, p, g, soft))
+    return out if valid is None else torch.where(valid.unsqueeze(-1), out, h)

@@ -170,23 +170,23 @@ class FlexiDepth(Skipper):
                 p.copy_(tensors[key].to(p.dtype))
 
     @classmethod
+    def from_fields(cls, f: Mapping, gate: str | None = None) -> "FlexiDepth":
+        """A FlexiDepth (weights not loaded yet) from the validated skipper fields of a skip-aware
+        config.json (`vskipper.models.checkpoint.skipper_fields`): what every loader builds before it
+        reads the tensors. `gate` overrides the checkpoint's gate_mode."""
+        return cls(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
+                   rms_norm_eps=f["rms_norm_eps"], gate=gate or f["gate_mode"],
+                   router_reduction_factor=f["router_reduction_factor"],
+                   proj_reduction_factor=f["proj_reduction_factor"])
+
+    @classmethod
     def from_pretrained(cls, path, gate: str | None = None, dtype: torch.dtype = torch.float32) -> "FlexiDepth":
         """Read a FlexiDepth skipper from a checkpoint directory (config.json + *.safetensors).
 
         Only safetensors are read: pickled weights are refused, remote code is never run."""
         from vskipper.models.checkpoint import load_tensors, read_config, skipper_fields
 
-        cfg = read_config(path)
-        f = skipper_fields(cfg, path)
-        skipper = cls(
-            f["routing_layers"],
-            hidden_size=f["hidden_size"],
-            intermediate_size=f["intermediate_size"],
-            rms_norm_eps=f["rms_norm_eps"],
-            gate=gate or f["gate_mode"],
-            router_reduction_factor=f["router_reduction_factor"],
-            proj_reduction_factor=f["proj_reduction_factor"],
-        )
+        skipper = cls.from_fields(skipper_fields(read_config(path), path), gate=gate)
         tensors = load_tensors(path, keys=skipper.expected_shapes())
         skipper.load_flexidepth_state_dict(tensors, source=str(path))
         return skipper.to(dtype)

@@ -105,7 +105,7 @@ def parse_skipper(spec: str) -> Skipper:
         if kind == "static":
             return Static(parse_layers(f["layers"], spec))
         if "name" in f:
-            from vskipper.training.shipped import shipped_dir
+            from vskipper.skippers.shipped import shipped_dir
 
             return FlexiDepth.from_pretrained(str(shipped_dir(f["name"])), gate=f.get("gate"))
         return FlexiDepth.from_pretrained(f["path"], gate=f.get("gate"))

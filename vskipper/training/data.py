@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vskipper.training.forward import attention, rope_tables
+from vskipper.models.rotary import rope_tables
+from vskipper.reference import attention
 
 HELDOUT_EVERY = 5  # prompt ids p000, p005, p010, ... are held out for evaluation (80 of 400)
 
@@ -172,7 +173,7 @@ def base_forward(model: nn.Module, ids: torch.Tensor, capture: int) -> tuple[tor
     Returns (input of layer `capture` [B, S, H], logits [B, S, V])."""
     inner = model.model
     h = inner.embed_tokens(ids)
-    cos, sin = rope_tables(model, ids.shape[1], h.device, h.dtype)
+    cos, sin = rope_tables(model.model.rotary_emb, ids.shape[1], h.device, h.dtype)
     captured = h
     for i, layer in enumerate(inner.layers):
         if i == capture:

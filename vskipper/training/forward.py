@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vskipper.skippers.base import Skipper, sanitize_gate
+from vskipper.models.rotary import rope_tables
+from vskipper.reference import attention
+from vskipper.skippers.base import Skipper, gate_combine, project_value, run_value, sanitize_gate
 
 
 @dataclass
@@ -33,38 +34,6 @@ class SkipOutput:
     hidden: torch.Tensor  # [B, S, H] after the last decoder layer, before the final norm
     gates: dict  # {layer: g [B, S]} (sanitized: non-finite -> 1), differentiable
     run: dict  # {layer: run [B, S] bool}
-
-
-def _rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_tables(model: nn.Module, S: int, device, dtype):
-    """cos, sin [S, head_dim] for positions 0..S-1 (as vskipper.reference)."""
-    rot = model.model.rotary_emb
-    pos = torch.arange(S, device=device, dtype=torch.float32)
-    freqs = pos[:, None] * rot.inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * rot.attention_scaling).to(dtype), (emb.sin() * rot.attention_scaling).to(dtype)
-
-
-def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Causal self-attention of a transformers Llama/Qwen3 attention module. x [B, S, H] -> [B, S, H]."""
-    B, S, _ = x.shape
-    d = attn.head_dim
-    q = attn.q_proj(x).view(B, S, -1, d)  # [B, S, nh, d]
-    k = attn.k_proj(x).view(B, S, -1, d)  # [B, S, kvh, d]
-    v = attn.v_proj(x).view(B, S, -1, d)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    c, s = cos[None, :, None], sin[None, :, None]
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
-                                       enable_gqa=q.shape[1] != k.shape[1])
-    return attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
 
 def routed_layer(layer: nn.Module, skipper: Skipper, index: int, h: torch.Tensor, cos, sin,
@@ -75,16 +44,12 @@ def routed_layer(layer: nn.Module, skipper: Skipper, index: int, h: torch.Tensor
     h1 = h + attention(layer.self_attn, x, cos, sin)  # K/V of every token feed every query
     m = layer.mlp(layer.post_attention_layernorm(h1))
     adapter = skipper.adapter(index)
-    gm = g[..., None].to(h.dtype)
-    if skipper.gate == "soft":
-        R = h1 + gm * m
-        P = h if adapter is None else h + (1 - gm) * adapter(layer.post_attention_layernorm(h))
-    else:
-        R = h1 + m
-        P = h if adapter is None else h + adapter(layer.post_attention_layernorm(h))
-    out = torch.where(run[..., None], R, P)
+    p = None if adapter is None else adapter(layer.post_attention_layernorm(h))
+    soft = skipper.gate == "soft"
+    out = gate_combine(h, h1, m, p, g, run, soft=soft)
     if straight_through and torch.is_grad_enabled() and g.requires_grad:
-        out = out + (gm - gm.detach()) * (R - P)  # == 0 in value; d out / d g = R - P
+        gm = g[..., None].to(h.dtype)
+        out = out + (gm - gm.detach()) * (run_value(h1, m, g, soft) - project_value(h, p, g, soft))  # == 0 in value
     return out, g, run
 
 
@@ -103,7 +68,7 @@ def skip_forward(model: nn.Module, skipper: Skipper, input_ids: torch.Tensor, *,
         h = start_hidden
     if any(l < start_layer for l in skipper.layers):
         raise ValueError(f"skip_forward: start_layer={start_layer} is past routed layer {min(skipper.layers)}")
-    cos, sin = rope_tables(model, S, h.device, h.dtype)
+    cos, sin = rope_tables(inner.rotary_emb, S, h.device, h.dtype)
     positions = torch.arange(S, device=h.device).expand(B, S)
     routed = set(skipper.layers)
     gates, runs = {}, {}

@@ -33,7 +33,8 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vskipper.data import load
-    from vskipper.models.smollm2 import cache_root, smollm2_dir
+    from vskipper.cache import root as cache_root
+    from vskipper.models.smollm2 import smollm2_dir
     from vskipper.training.data import cached_targets, model_tag, self_distillation, split_prompts
     from vskipper.training.shipped import TOKENIZER_FILES, write_skipper_dir
 

@@ -21,23 +21,12 @@ from pathlib import Path
 import torch
 
 from vskipper.models.checkpoint import DD_ARCHITECTURES, save_tensors
+from vskipper.skippers.shipped import DEFAULT, SKIPPER_FILE, shipped_dir
 
-SKIPPERS = Path(__file__).resolve().parent.parent / "data" / "skippers"
-DEFAULT = "smollm2-135m-flexidepth"  # trained for SmolLM2-135M-Instruct, routed layers 15..29
-SKIPPER_FILE = "skipper.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 BASE_CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "rms_norm_eps",
                     "num_attention_heads", "num_key_value_heads", "vocab_size")
-
-
-def shipped_dir(name: str = DEFAULT) -> Path:
-    """The directory of a skipper shipped in the package (ValueError listing those that exist)."""
-    p = SKIPPERS / name
-    if not (p / SKIPPER_FILE).is_file():
-        have = sorted(d.name for d in SKIPPERS.iterdir() if (d / SKIPPER_FILE).is_file()) if SKIPPERS.is_dir() else []
-        raise ValueError(f"no shipped skipper {name!r}; shipped: {have}")
-    return p
 
 
 def write_skipper_dir(path, skipper, model_config, dtype: torch.dtype = torch.float32, **extra) -> Path:
@@ -85,7 +74,8 @@ def build_checkpoint(dest_dir=None, skipper=DEFAULT, base_dir=None) -> Path:
     from transformers import AutoModelForCausalLM
 
     from vskipper.models.hf_loader import save_checkpoint
-    from vskipper.models.smollm2 import cache_root, smollm2_dir
+    from vskipper.cache import root as cache_root
+    from vskipper.models.smollm2 import smollm2_dir
 
     sk_dir = Path(skipper) if Path(skipper).is_dir() else shipped_dir(str(skipper))
     base = Path(base_dir) if base_dir is not None else smollm2_dir()

@@ -100,20 +100,10 @@ def check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def check_launchable(op: str, kernel, device: torch.device) -> None:
-    expect(HAS_TRITON, op, "Triton is not installed; set VSKIPPER_IMPL=torch to use the torch reference")
+    expect(HAS_TRITON, op, "Triton is not installed; use Config(impl='torch') (VSKIPPER_IMPL=torch in SGLang) for the torch reference")
     expect(device.type == "cuda" or interpreted(kernel), op,
            f"the Triton kernel needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before "
-           "vskipper's kernels are imported, or use VSKIPPER_IMPL=torch")
-
-
-def count_scalar(count: torch.Tensor) -> torch.Tensor:
-    """The count as a 0-d tensor, for fixed-shape (no host sync) comparisons."""
-    return count.reshape(())
-
-
-def host_count(count: torch.Tensor, limit: int) -> int:
-    """The count read on the host, clamped to [0, limit]: only for the CPU (dynamic) references."""
-    return max(0, min(int(count.reshape(())), limit))
+           "vskipper's kernels are imported, or use Config(impl='torch')")
 
 
 @triton.jit

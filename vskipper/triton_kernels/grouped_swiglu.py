@@ -11,18 +11,19 @@ untouched. `residual` may be `out` itself.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from vskipper import kernel_configs
-from vskipper.triton_kernels import gather_rows, scatter_combine
 from vskipper.triton_kernels._common import (
     FLOATS, INDEXES, check_count, check_devices, check_dim, check_dtype, check_inner_contiguous,
-    check_launchable, check_contiguous, dot_flags, expect, grouped_tile, host_count, stages_for, tl, triton)
+    check_launchable, check_contiguous, dot_flags, expect, grouped_tile, stages_for, tl, triton)
 
 
 def default_config(bucket: int) -> dict:
-    """Untuned defaults (no GPU measured yet), as grouped_linear's; the gate/up kernel holds two
-    accumulators, so its N tile is half as wide at large row tiles."""
+    """Untuned defaults (no GPU measured yet): the row tile follows the token bucket (16..128, the
+    count-adaptive part); the gate/up kernel holds two accumulators, so its N tile is half as wide
+    at large row tiles."""
     bm = min(max(bucket, 16), 128)
     small = bm <= 32
     return {
@@ -159,8 +160,8 @@ def launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> 
     R, (T, H), I = rows.shape[0], x.shape, w_gate.shape[0]
     if R == 0 or T == 0 or H == 0:
         return
-    if I == 0:  # an empty MLP adds zero
-        return scatter_combine.launch(out, residual, x.new_zeros(R, H), rows, count, weight)
+    if I == 0:  # an empty MLP adds zero: the rows named become their residual, as in the reference
+        return reference(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
     cfg = kernel_configs.lookup(op, R, x.device, default_config)
     upcast, precision = dot_flags(x.dtype, _gate_up_kernel)
     h = x.new_empty(R, I)  # silu(gate) * up of the compact rows; rows past the count stay unwritten
@@ -187,18 +188,21 @@ def _swiglu(x, w_gate, w_up, w_down):
 
 
 def reference(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> None:
-    """Fixed shapes, no host sync: the MLP of every gathered row (zeros past the count), then the
-    fixed-shape weighted scatter-combine."""
+    """Fixed shapes, no host sync: every entry of the map through the MLP (entries past the count
+    read row 0 and are discarded), then each out row finds the j < count that names it
+    (scatter_reduce amax: deterministic, entries past the count cannot win) and one dense where()
+    writes."""
     check(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
-    y = _swiglu(gather_rows.reference(x, rows, count), w_gate, w_up, w_down)  # [R, H]
-    scatter_combine.reference(out, residual, y, rows, count, weight)
-
-
-def reference_dynamic(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> None:
-    """CPU path: only the rows below the count go through the MLP."""
-    check(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
-    n = host_count(count, rows.shape[0])
-    r = rows[:n].long()
-    y = _swiglu(x.index_select(0, r), w_gate, w_up, w_down)  # [n, H]
-    w = y.new_ones(()) if weight is None else weight.to(out.dtype)[r][:, None]
-    out[r] = residual[r] + w * y
+    T, R = x.shape[0], rows.shape[0]
+    if T == 0 or R == 0:
+        return
+    j = torch.arange(R, device=x.device)
+    live = j < count.reshape(())  # [R]
+    idx = torch.where(live, rows.long(), 0)
+    y = _swiglu(x.index_select(0, idx), w_gate, w_up, w_down)  # [R, H]
+    src = torch.full((T,), -1, dtype=torch.int64, device=x.device)
+    src.scatter_reduce_(0, idx, torch.where(live, j, -1), reduce="amax")
+    hit = src >= 0  # [T]
+    yr = y.index_select(0, src.clamp(min=0))  # [T, H]: y of the entry that names each row
+    w = yr.new_ones(()) if weight is None else weight.to(out.dtype)[:, None]
+    out.copy_(torch.where(hit[:, None], residual + w * yr, out))

@@ -17,11 +17,7 @@ def _skipper_for(config) -> FlexiDepth:
     d = config.to_dict()
     if "original_intermediate_size" in d:  # SGLang pads intermediate_size on CPU; the adapter keeps the original
         d["intermediate_size"] = d["original_intermediate_size"]
-    f = skipper_fields(d, f"config of {config.architectures[0]}")
-    return FlexiDepth(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
-                      rms_norm_eps=f["rms_norm_eps"], gate=f["gate_mode"],
-                      router_reduction_factor=f["router_reduction_factor"],
-                      proj_reduction_factor=f["proj_reduction_factor"])
+    return FlexiDepth.from_fields(skipper_fields(d, f"config of {config.architectures[0]}"))
 
 
 class _SkipAware:

@@ -4,6 +4,7 @@ scheduler in subprocesses, which inherit the environment).
 VSKIPPER_SKIPPER         skipper spec for a stock Llama/Qwen3 model, e.g.
                          random:rate=0.5,layers=15-29,seed=0 (unset: serve the model unchanged)
 VSKIPPER_EXECUTION       auto | dense | routed                      (default auto)
+VSKIPPER_IMPL            auto | torch | triton: vskipper's ops; auto = triton on CUDA, torch on CPU
 VSKIPPER_STATIC_SHAPES   auto | 0 | 1: graph-safe routed body (fixed shapes, device-side counts);
                          auto = on for CUDA, off on CPU              (default auto)
 VSKIPPER_STATS_INTERVAL  log per-layer skip statistics every N decode steps; 0 = never (default 0)
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from vskipper.config import Config
+from vskipper.config import EXECUTIONS, IMPLS, Config
 from vskipper.skippers import parse_skipper
 
 
@@ -28,6 +29,7 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
 class Settings:
     skipper_spec: str | None = None
     execution: str = "auto"
+    impl: str = "auto"
     static_shapes: bool | None = None
     stats_interval: int = 0
     check_sync: bool = False
@@ -44,17 +46,19 @@ class Settings:
             raise ValueError(f"VSKIPPER_STATS_INTERVAL={interval!r} must be an integer >= 0")
         return cls(
             skipper_spec=spec,
-            execution=_choice("VSKIPPER_EXECUTION", env.get("VSKIPPER_EXECUTION", "auto"), ("auto", "dense", "routed")),
+            execution=_choice("VSKIPPER_EXECUTION", env.get("VSKIPPER_EXECUTION", "auto"), EXECUTIONS),
+            impl=_choice("VSKIPPER_IMPL", env.get("VSKIPPER_IMPL", "auto"), IMPLS),
             static_shapes=None if static == "auto" else static == "1",
             stats_interval=int(interval),
             check_sync=_choice("VSKIPPER_CHECK_SYNC", env.get("VSKIPPER_CHECK_SYNC", "0"), ("0", "1")) == "1",
         )
 
     def config(self) -> Config:
-        return Config(execution=self.execution, static_shapes=self.static_shapes, check_sync=self.check_sync)
+        return Config(execution=self.execution, impl=self.impl, static_shapes=self.static_shapes,
+                      check_sync=self.check_sync)
 
     def to_env(self) -> dict[str, str]:
-        env = {"VSKIPPER_EXECUTION": self.execution,
+        env = {"VSKIPPER_EXECUTION": self.execution, "VSKIPPER_IMPL": self.impl,
                "VSKIPPER_STATIC_SHAPES": {None: "auto", True: "1", False: "0"}[self.static_shapes],
                "VSKIPPER_STATS_INTERVAL": str(self.stats_interval),
                "VSKIPPER_CHECK_SYNC": "1" if self.check_sync else "0"}
