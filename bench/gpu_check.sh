@@ -4,10 +4,9 @@
 #
 #   bash bench/gpu_check.sh            # from the repo root; with OUT=dir set, logs and table go there
 #
-# 1. CUDA graphs: a routed body (route_maps -> grouped_swiglu_ -> gather -> grouped_linear ->
-#    scatter_combine_, plus masked decode attention) captured once and replayed with changing
-#    route decisions, checked against eager; torch.compile of it on CUDA; opcheck; T = 0
-#    (tests/test_ops_compile.py).
+# 1. CUDA graphs: a routed body (route_maps -> grouped_swiglu_ for RUN rows and for PROJECT rows,
+#    plus masked decode attention) captured once and replayed with changing route decisions,
+#    checked against eager; torch.compile of it on CUDA; opcheck; T = 0 (tests/test_ops_compile.py).
 # 2. Property tests: every Triton kernel against its torch reference, HYPOTHESIS_PROFILE=gpu
 #    (tests/test_kernels.py).
 # 3. Timings: bench/kernel_timings.py, one markdown table (T in {16, 64, 256, 1024}, H=4096, I=14336, bf16).
@@ -30,7 +29,7 @@ step "environment"
 # Step 1: the custom-op layer (CUDA graphs, compile, opcheck); the CPU variant of the compile test
 # is left out (inductor on CPU needs a host C++ toolchain, which this check does not rely on).
 # Step 2: the kernels against their references.
-export HYPOTHESIS_PROFILE=gpu VSKIPPER_IMPL=triton
+export HYPOTHESIS_PROFILE=gpu
 
 step "1/3 CUDA-graph capture and replay, torch.compile, opcheck (Triton on CUDA)"
 timeout 170 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_ops_compile.py -k "not (torch_compile and cpu)" 2>&1 \
@@ -45,7 +44,6 @@ rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { status=1; echo "!! step 2 failed (exit $rc; 124 = timed out)"; }
 
 step "3/3 timings (CUDA events, graph replay, median)"
-unset VSKIPPER_IMPL
 timeout 110 "$PY" bench/kernel_timings.py --out "$LOGS/kernels.md" 2>"$LOGS/gpu_check_bench.log"
 rc=$?
 [ "$rc" -eq 0 ] || { status=1; echo "!! step 3 failed (exit $rc; 124 = timed out)"; tail -n 30 "$LOGS/gpu_check_bench.log"; }

@@ -15,7 +15,6 @@ count and pre-gathered (cuBLAS for the GEMMs): the best a dynamic-shape path cou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import os
@@ -52,8 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="decode context length for attention")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--run-fraction", type=float, default=0.75)
-    p.add_argument("--ops", nargs="+", default=["route_maps", "gather_rows", "scatter_combine_", "grouped_linear",
-                                                "grouped_swiglu_", "masked_decode_attention"])
+    p.add_argument("--ops", nargs="+", default=["route_maps", "grouped_swiglu_", "masked_decode_attention"])
     p.add_argument("--out", type=Path, help="also write the markdown table here")
     p.add_argument("--tune", type=Path, metavar="DIR", help="sweep configs and write a stamped table into DIR")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
@@ -129,19 +127,6 @@ def graph_us(fn, budget_us: float = 3000.0) -> float:
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def impl(name: str):
-    old = os.environ.get("VSKIPPER_IMPL")
-    os.environ["VSKIPPER_IMPL"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["VSKIPPER_IMPL"]
-        else:
-            os.environ["VSKIPPER_IMPL"] = old
-
-
 def compare(a: torch.Tensor, b: torch.Tensor) -> str:
     scale = b.float().abs().max().clamp(min=1e-6)
     err = ((a.float() - b.float()).abs().max() / scale).item()
@@ -154,7 +139,7 @@ def make_batch(T: int, n: int):
     run = torch.zeros(T, dtype=torch.bool)
     run[torch.randperm(T, generator=g)[:n]] = True
     run = run.to(DEV)
-    rows, _, counts = ops.route_maps(run)
+    rows, _, counts = ops.route_maps(run, impl="torch")
     return g, run, rows, counts[0:1]
 
 
@@ -163,34 +148,18 @@ def rnd(g, *shape, scale=1.0):
 
 
 def case(op: str, T: int, n: int):
-    """(fn(), base() | None, output-of-fn getter, flops, bytes) for op at capacity T with n RUN rows."""
+    """(fn(impl), base() | None, output-of-fn getter, flops, bytes) for op at capacity T with n RUN rows."""
     H, I = ARGS.hidden, ARGS.inter
     g, run, rows, count = make_batch(T, n)
     rn = rows[:n].long()  # host-side slice: only the baselines use it
     if op == "route_maps":
-        return (lambda: ops.route_maps(run)), None, (lambda r: r[0][:n]), 0, T * (1 + 2 * 4)
-    if op == "gather_rows":
-        x = rnd(g, T, H)
-        return (lambda: ops.gather_rows(x, rows, count)), (lambda: x.index_select(0, rn)), (lambda r: r), 0, \
-            2 * n * H * x.element_size()
-    if op == "scatter_combine_":
-        out, res, y, w = rnd(g, T, H), rnd(g, T, H), rnd(g, T, H), torch.rand(T, generator=g).to(DEV)
-
-        def base():
-            out[rn] = res[rn] + w[rn, None].to(DTYPE) * y[:n]
-        return (lambda: ops.scatter_combine_(out, res, y, rows, count, w) or out), base, (lambda r: r.clone()), 0, \
-            3 * n * H * out.element_size()
-    if op == "grouped_linear":
-        x, w = rnd(g, T, H), rnd(g, I, H, scale=H ** -0.5)
-        xg = x.index_select(0, rn)
-        return (lambda: ops.grouped_linear(x, rows, count, w)), (lambda: xg @ w.T), (lambda r: r[:n]), 2 * n * H * I, \
-            w.numel() * w.element_size()
+        return (lambda impl: ops.route_maps(run, impl=impl)), None, (lambda r: r[0][:n]), 0, T * (1 + 2 * 4)
     if op == "grouped_swiglu_":
         x, out, res = rnd(g, T, H), rnd(g, T, H), rnd(g, T, H)
         wg, wu, wd = rnd(g, I, H, scale=H ** -0.5), rnd(g, I, H, scale=H ** -0.5), rnd(g, H, I, scale=I ** -0.5)
         w = torch.rand(T, generator=g).to(DEV)
         xg = x.index_select(0, rn)
-        return (lambda: ops.grouped_swiglu_(out, res, x, rows, count, wg, wu, wd, w) or out), \
+        return (lambda impl: ops.grouped_swiglu_(out, res, x, rows, count, wg, wu, wd, w, impl=impl) or out), \
             (lambda: (F.silu(xg @ wg.T) * (xg @ wu.T)) @ wd.T), (lambda r: r.clone()), 6 * n * H * I, \
             3 * wg.numel() * wg.element_size()
     if op == "masked_decode_attention":
@@ -201,20 +170,20 @@ def case(op: str, T: int, n: int):
         req_to_token = torch.randperm(P, generator=g).to(torch.int32).view(T, C).to(DEV)
         rpi = torch.arange(T, device=DEV)
         lens = torch.full((T,), C, device=DEV)
-        return (lambda: ops.masked_decode_attention(q, k, v, req_to_token, rpi, lens, run, d ** -0.5)), None, \
+        return (lambda impl: ops.masked_decode_attention(q, k, v, req_to_token, rpi, lens, run, d ** -0.5, impl=impl)), \
+            None, \
             (lambda r: r), 4 * n * nh * C * d, 2 * n * C * kvh * d * k.element_size()
     raise ValueError(f"unknown op {op!r}")
 
 
 def measure(cfg: Config) -> Result:
     fn, base, view, flops, nbytes = case(cfg.op, cfg.T, cfg.n)
-    with impl("triton"):
-        got = view(fn())
-        t_eager = eager_us(fn)
-        t_triton = graph_us(fn)
-    with impl("torch"):
-        check = compare(got, view(fn()))
-        t_ref = graph_us(fn)
+    triton_fn, torch_fn = (lambda: fn("triton")), (lambda: fn("torch"))
+    got = view(triton_fn())
+    t_eager = eager_us(triton_fn)
+    t_triton = graph_us(triton_fn)
+    check = compare(got, view(torch_fn()))
+    t_ref = graph_us(torch_fn)
     t_base = graph_us(base) if base is not None else None
     if flops:
         figure = f"{flops / t_triton / 1e6:.0f} TFLOP/s"
@@ -252,12 +221,10 @@ def sweeps(op: str, bucket: int, best: dict) -> list[list[dict]]:
     if op == "masked_decode_attention":
         return [[{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
                  for bn, w, st in itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3])]]
-    if op == "grouped_linear":
-        return [gemm_candidates(bucket)]
     if op == "grouped_swiglu_":  # gate/up first (down at its default), then down
         return [[{"gate_up": c} for c in gemm_candidates(bucket)],
                 [{"down": c} for c in gemm_candidates(bucket)]]
-    return []  # gather_rows, scatter_combine_: defaults
+    return []
 
 
 def tune(directory: Path) -> None:
@@ -276,8 +243,7 @@ def tune(directory: Path) -> None:
                 over = {**best, **cand}
                 kernel_configs.lookup = lambda o, t, d, default, _o=over: {**default(kernel_configs.bucket(t)), **_o}
                 try:
-                    with impl("triton"):
-                        t_us = graph_us(fn, budget_us=1000.0)
+                    t_us = graph_us(lambda: fn("triton"), budget_us=1000.0)
                 except Exception as e:  # a config that does not compile or fit (shared memory): skipped
                     print(f"  {op} T={T} {cand}: {type(e).__name__}", file=sys.stderr)
                     continue

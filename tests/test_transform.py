@@ -213,3 +213,21 @@ def test_host_sync_guard_catches_the_dynamic_body():
     m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [2]), "routed", static_shapes=False, check_sync=True)
     with pytest.raises(HostSyncError, match="host sync .* in routed layer 2"):
         greedy(m, prompts((4,))[0][None], None, 3)
+
+
+def test_verify_pass_checks_the_recorded_body_and_its_maps():
+    from vskipper.passes import PassError, VerifyPass
+    from vskipper.routed_layer import DenseBody
+
+    m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 3]), "routed")
+    gm = m.model._vskipper_stack
+    verify = VerifyPass(6, (1, 3))
+    verify(gm)  # as transform left it
+    node = next(n for n in gm.graph.nodes if n.target == "routed.3")
+    node.meta["vskipper"]["body"] = "dense"
+    with pytest.raises(PassError, match=r"pass verify, routed.3: graph records body .*the module runs 'routed'"):
+        verify(gm)
+    node.meta["vskipper"]["body"] = "dense"
+    gm.get_submodule("routed.3").body = DenseBody()  # a dense body handed route maps
+    with pytest.raises(PassError, match=r"routed.3: route maps given for body 'dense'"):
+        verify(gm)

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-CPU_DEFAULTS = {  # SGLang flags for a machine without a GPU (FACTS.md), unless the user gives them
+CPU_DEFAULTS = {  # SGLang flags for a machine without a GPU (docs/architecture.md), unless the user gives them
     "--device": "cpu",
     "--dtype": "float32",
     "--attention-backend": "torch_native",

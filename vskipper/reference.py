@@ -1,7 +1,7 @@
 """The skipper semantics written plainly: the oracle every fast path is tested against.
 
 Full-sequence recompute, one sequence, no cache, no padding, attention written out by hand
-(no transformers attention code, no SDPA). For routed layer l (ARCHITECTURE.md):
+(no transformers attention code, no SDPA). For routed layer l (docs/architecture.md):
 
     x   = input_layernorm(h)
     g   = router_l(x, positions, token_ids)            # [S]; non-finite -> RUN with g = 1

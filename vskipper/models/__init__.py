@@ -59,6 +59,12 @@ def register_family(family: ModelFamily) -> None:
     _FAMILIES.append(family)
 
 
+def register_families(engine: str, modules: dict[str, str], **parts) -> None:
+    """Register an engine's model classes ({class name: module}) that share one set of parts."""
+    for cls, module in modules.items():
+        register_family(ModelFamily(name=f"{engine} {cls}", module=module, cls=cls, **parts))
+
+
 def supported() -> list[str]:
     return [f.name for f in _FAMILIES]
 

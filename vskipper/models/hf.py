@@ -11,7 +11,7 @@ import threading
 import torch
 from torch import nn
 
-from vskipper.models import ModelFamily, register_family
+from vskipper.models import register_families
 from vskipper.models.rotary import apply_rope
 
 # Shapes: B = batch, S = new tokens per sequence, Skv = cached + new, nh/kvh = heads, d = head dim.
@@ -187,10 +187,7 @@ def mlp_weights(mlp):
     return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
 
-for _name, _module, _cls in (
-    ("transformers LlamaForCausalLM", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
-    ("transformers Qwen3ForCausalLM", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
-):
-    register_family(ModelFamily(name=_name, module=_module, cls=_cls, make_stack=make_stack,
-                                make_attention=lambda layer: HFAttention(layer.self_attn),
-                                forward=_skip_aware_forward, mlp_weights=mlp_weights))
+register_families("transformers", {"LlamaForCausalLM": "transformers.models.llama.modeling_llama",
+                    "Qwen3ForCausalLM": "transformers.models.qwen3.modeling_qwen3"},
+                  make_stack=make_stack, make_attention=lambda layer: HFAttention(layer.self_attn),
+                  forward=_skip_aware_forward, mlp_weights=mlp_weights)

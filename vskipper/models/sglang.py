@@ -1,7 +1,7 @@
 """SGLang (0.5.23) LlamaForCausalLM and Qwen3ForCausalLM, inside SGLang.
 
 SGLang's decoder layers keep their residual in a "layer boundary" framework that is fragile to
-subclass or interleave with other code (FACTS.md). vskipper therefore composes every layer from
+subclass or interleave with other code. vskipper therefore composes every layer from
 its parts: h1 = h + self_attn(norm(h)); out = h1 + mlp(post_norm(h1)), the same function
 without the fused add+norm. Tensor parallelism and pipeline parallelism are not supported
 (transform raises). Shapes: T = tokens of all requests flattened, H = hidden."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vskipper.models import ModelFamily, register_family
+from vskipper.models import register_families
 
 
 class SGLangLayer(nn.Module):
@@ -133,10 +133,6 @@ def mlp_weights(mlp):
     return w[:i], w[i:], mlp.down_proj.weight
 
 
-for _name, _module, _cls in (
-    ("sglang LlamaForCausalLM", "sglang.srt.models.llama", "LlamaForCausalLM"),
-    ("sglang Qwen3ForCausalLM", "sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
-):
-    register_family(ModelFamily(name=_name, module=_module, cls=_cls, make_stack=make_stack,
-                                make_attention=lambda layer: SGLangAttention(layer.self_attn),
-                                forward=_skip_aware_forward, mlp_weights=mlp_weights))
+register_families("sglang", {"LlamaForCausalLM": "sglang.srt.models.llama", "Qwen3ForCausalLM": "sglang.srt.models.qwen3"},
+                  make_stack=make_stack, make_attention=lambda layer: SGLangAttention(layer.self_attn),
+                  forward=_skip_aware_forward, mlp_weights=mlp_weights)

@@ -1,6 +1,6 @@
 """FlexiDepth: a learned router per routed layer and a small SwiGLU-like adapter for PROJECT rows.
 
-Semantics (ARCHITECTURE.md), routed layer l, x = input_layernorm(h):
+Semantics (docs/architecture.md), routed layer l, x = input_layernorm(h):
     g = sigmoid(router_head(router_dec(tanh(router_norm(router_enc(x))))))   # [T]
     adapter(y) = up_proj(silu(gate_proj(y)) * down_proj(y))
 Checkpoint keys (the FlexiDepth layout, safetensors only):

@@ -4,7 +4,7 @@ Full sequence, no cache, right padding (sequence b holds its tokens at positions
 plain causal attention never lets a real token see a padding row). Legend: B = sequences,
 S = positions, H = hidden, L = routed layers, V = vocabulary.
 
-Routed layer l, x = input_layernorm(h) (the reference semantics, ARCHITECTURE.md):
+Routed layer l, x = input_layernorm(h) (the reference semantics, docs/architecture.md):
     g   = router_l(x)                                  # [B, S]; non-finite -> RUN with g = 1
     run = g > threshold
     R   = h1 + g * mlp(post_ln(h1)),  h1 = h + attn(x) # soft gate (hard: no g)

@@ -48,7 +48,7 @@ def interpreted(kernel) -> bool:
 def dot_flags(dtype: torch.dtype, kernel) -> tuple[bool, str]:
     """(UPCAST, PRECISION) for tl.dot on inputs of `dtype`.
 
-    The interpreter's tl.dot on bf16 is silently wrong (FACTS.md): upcast to f32 there. On a GPU
+    The interpreter's tl.dot on bf16 is silently wrong (docs/architecture.md): upcast to f32 there. On a GPU
     bf16/fp16 go to the tensor cores as they are; f32 asks for "ieee" so that results match torch's
     f32 matmul (torch does not use tf32 by default) within the f32 tolerance."""
     upcast = dtype == torch.bfloat16 and interpreted(kernel)
