@@ -36,7 +36,7 @@ def check_against_reference(eng, base, skipper):
         assert out == ref[len(p):].tolist(), f"prompt of {len(p)} tokens: sglang {out} != reference {ref[len(p):].tolist()}"
 
 
-@pytest.mark.parametrize("family, execution", [("llama", "routed"), ("qwen3", "dense")])
+@pytest.mark.parametrize("family, execution", [("llama", "routed"), ("qwen3", "dense"), ("qwen3", "routed")])
 def test_skip_aware_checkpoint(tmp_path, family, execution):
     base = tiny_llama() if family == "llama" else tiny_qwen3()
     sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft" if family == "llama" else "hard")
@@ -74,3 +74,91 @@ def test_graph_safe_body_has_no_host_sync_at_decode(tmp_path):
     path = save_checkpoint(tmp_path / "ckpt", base, sk)
     with engine(path, VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES="1", VSKIPPER_CHECK_SYNC="1") as eng:
         check_against_reference(eng, base, sk)
+
+
+def test_rate_0_is_upstream_on_the_bundled_model():
+    """Only routed layers change, and a routed layer that runs every token computes the layer: with
+    RandomSkip at rate 0 (routed body), SGLang serves upstream SGLang's greedy tokens on
+    SmolLM2-135M for 16 prompts of mixed length sent together."""
+    from vskipper.models.smollm2 import smollm2_dir
+
+    path = smollm2_dir()
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(1, 49152, (n,), generator=g) for n in (1, 3, 5, 8, 13, 17, 24, 31, 40, 2, 7, 11, 19, 27, 36, 50)]
+    with engine(path) as eng:
+        upstream, _ = greedy(eng, prompts, 48)
+    with engine(path, VSKIPPER_SKIPPER="random:rate=0,layers=15-29,seed=0", VSKIPPER_EXECUTION="routed") as eng:
+        ours, _ = greedy(eng, prompts, 48)
+    same = sum(a == b for a, b in zip(ours, upstream))
+    assert same == len(prompts), f"{same}/{len(prompts)} completions equal upstream's"
+
+
+def test_valid_rows_come_from_sglangs_count_of_real_tokens():
+    from types import SimpleNamespace
+
+    from vskipper.models.sglang import valid_rows
+
+    padded = SimpleNamespace(num_token_non_padded=torch.tensor(3, dtype=torch.int32))  # the graph runner's
+    assert valid_rows(padded, 5, "cpu").tolist() == [True, True, True, False, False]
+    eager = SimpleNamespace(num_token_non_padded=None, global_num_token_non_padded_cpu=4)
+    assert valid_rows(eager, 5, "cpu").tolist() == [True] * 4 + [False]
+    assert valid_rows(SimpleNamespace(), 2, "cpu").tolist() == [True, True]
+
+
+def test_stats_are_read_after_a_step_never_while_capturing(monkeypatch, caplog):
+    """The reporter runs after each model-runner step (outside the model's forward); while SGLang
+    captures a graph it reads nothing. The decode steps run under the host-sync guard."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner_utils import capture_mode
+
+    from vskipper.integrations.sglang.runtime import StatsReporter
+    from tiny import transformed
+
+    m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 2]), "routed", static_shapes=True, check_sync=True)
+    with torch.no_grad():
+        m.generate(torch.randint(1, VOCAB, (2, 5)), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    reporter = StatsReporter(m, interval=2)
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True))
+    prefill = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False))
+    reads = []
+    monkeypatch.setattr(vskipper, "stats", lambda model: reads.append(1) or {1: dict(tokens=4, run=2, project=2, nonfinite=0)})
+    monkeypatch.setattr(capture_mode, "is_capture_mode", True)
+    for _ in range(4):
+        reporter.after_step(decode)
+    assert reads == [] and reporter.steps == 0  # capturing: not a step, nothing read
+    monkeypatch.setattr(capture_mode, "is_capture_mode", False)
+    with caplog.at_level("INFO", logger="vskipper"):
+        for fb in (decode, prefill, decode, decode, None):
+            reporter.after_step(fb)
+    assert reporter.steps == 3 and reads == [1]
+    assert "after 2 decode steps: skip ratio 0.500" in caplog.text
+
+
+def test_draft_runner_is_left_untransformed_and_quantized_layers_fail_early(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from vskipper.integrations.sglang import runtime
+
+    monkeypatch.setenv("VSKIPPER_SKIPPER", "random:rate=0.5,layers=1")
+    draft = SimpleNamespace(is_draft_worker=True, model=tiny_llama())
+    with caplog.at_level("INFO", logger="vskipper"):
+        runtime.transform_loaded(draft)
+    assert not hasattr(draft.model, "vskipper") and "draft model runner" in caplog.text
+
+    class Fp8LinearMethod:
+        pass
+
+    layer = nn.Module()
+    layer.qkv_proj = nn.Linear(2, 2)
+    layer.qkv_proj.quant_method = Fp8LinearMethod()
+    model = SimpleNamespace(model=SimpleNamespace(layers=[nn.Module(), layer]))
+    runner = SimpleNamespace(model=model, server_args=SimpleNamespace(kv_cache_dtype="auto"))
+    with pytest.raises(NotImplementedError, match=r"model.layers.1.qkv_proj is quantized \(Fp8LinearMethod\)"):
+        runtime.check_supported(runner, [1])
+    runtime.check_supported(runner, [0])  # an unrouted quantized layer is SGLang's business
+    runner.server_args.kv_cache_dtype = "fp8_e4m3"
+    with pytest.raises(NotImplementedError, match=r"--kv-cache-dtype fp8_e4m3 is not supported"):
+        runtime.check_supported(runner, [0])

@@ -221,7 +221,7 @@ def test_verify_pass_checks_the_recorded_body_and_its_maps():
 
     m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 3]), "routed")
     gm = m.model._vskipper_stack
-    verify = VerifyPass(6, (1, 3))
+    verify = VerifyPass(range(6), (1, 3))
     verify(gm)  # as transform left it
     node = next(n for n in gm.graph.nodes if n.target == "routed.3")
     node.meta["vskipper"]["body"] = "dense"

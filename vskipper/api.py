@@ -73,10 +73,11 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     family = family_for(model)  # TypeError naming the supported classes
     if hasattr(model, "vskipper") and isinstance(getattr(model, "vskipper"), VSkipperState):
         raise ValueError("vskipper.transform: this model is already transformed; transform a fresh model")
-    stack = family.make_stack(model)
-    p = next(stack.layers[0].parameters())
+    layers = model.model.layers
+    p = next(layers[0].parameters())
     hidden, dtype, device = model.config.hidden_size, p.dtype, p.device
-    skipper.check_model(len(stack.layers), hidden)
+    skipper.check_model(len(layers), hidden)
+    stacks = family.make_stacks(model, skipper.layers)
     skipper.to(device=device, dtype=dtype)
     state = VSkipperState(skipper, config, family, device).to(device)
 
@@ -93,11 +94,15 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
                            getattr(layer, family.mlp), skipper.adapter(i), skipper.gate, state.bodies[i],
                            mlp_weights=family.mlp_weights, check_sync=config.check_sync)
 
-    route = RoutePass(skipper, make_routed, state.counters, family.input_norm)
-    gm, _ = run_passes(trace_stack(stack), [route, VerifyPass(len(stack.layers), skipper.layers)])
-    state.rewritten = route.rewritten
+    transformed = []
+    for stack in stacks:
+        routed = [i for i in stack.indices if i in skipper.layers]
+        route = RoutePass(skipper, make_routed, state.counters, family.input_norm, layers=routed)
+        gm, _ = run_passes(trace_stack(stack), [route, VerifyPass(stack.indices, routed)])
+        state.rewritten += route.rewritten
+        transformed.append((stack, gm))
     model.vskipper = state
-    family.install(model, gm)
+    family.install(model, transformed)
     return model
 
 

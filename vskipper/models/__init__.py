@@ -18,18 +18,21 @@ class ModelFamily:
     """A family of models vskipper can transform.
 
     module/cls: where the model class lives (imported lazily: nothing here needs SGLang).
-    make_stack(model) -> DecoderStack module with `layers` (the decoder layers, fx leaves).
+    make_stacks(model, routed) -> the modules the fx passes trace and rewrite, each with `layers`
+        (decoder layers, fx leaves, as a ModuleList or a ModuleDict keyed by index) and `indices`
+        (the layer indices it calls): one stack of every layer (transformers), or one stack per
+        routed layer (SGLang: only routed layers change).
+    install(model, [(stack, graph module)]) -> put the transformed stacks in the model's path.
     make_attention(layer) -> the attention part of a routed layer (all_rows / some_rows / masked_rows).
-    forward: the inner model's forward after the transform (calls `self._vskipper_stack`).
     mlp_weights(mlp) -> (w_gate, w_up, w_down) of a decoder layer's SwiGLU MLP (fixed-shape body).
     """
 
     name: str
     module: str
     cls: str
-    make_stack: object
+    make_stacks: object
+    install: object
     make_attention: object
-    forward: object
     mlp_weights: object = None
     input_norm: str = "input_layernorm"
     post_norm: str = "post_attention_layernorm"
@@ -44,12 +47,18 @@ class ModelFamily:
             return False  # never import an engine the model does not come from
         return isinstance(model, self.model_class())
 
-    def install(self, model: nn.Module, stack_gm) -> None:
-        """Route this one model instance's inner forward through the transformed stack (an instance
-        attribute: no class is patched)."""
+
+def replace_inner_forward(forward):
+    """An `install` that routes one model instance's inner forward through its one transformed
+    stack (an instance attribute: no class is patched); `forward` calls `self._vskipper_stack`."""
+
+    def install(model: nn.Module, stacks) -> None:
+        (_, gm), = stacks
         inner = model.model
-        object.__setattr__(inner, "_vskipper_stack", stack_gm)  # not a submodule: its modules are the model's own
-        inner.forward = types.MethodType(self.forward, inner)
+        object.__setattr__(inner, "_vskipper_stack", gm)  # not a submodule: its modules are the model's own
+        inner.forward = types.MethodType(forward, inner)
+
+    return install
 
 
 _FAMILIES: list[ModelFamily] = []

@@ -11,7 +11,7 @@ import threading
 import torch
 from torch import nn
 
-from vskipper.models import register_families
+from vskipper.models import register_families, replace_inner_forward
 from vskipper.models.rotary import apply_rope
 
 # Shapes: B = batch, S = new tokens per sequence, Skv = cached + new, nh/kvh = heads, d = head dim.
@@ -111,6 +111,7 @@ class HFDecoderStack(nn.Module):
         super().__init__()
         self.layers = layers
         self.layer_types = layer_types
+        self.indices = tuple(range(len(layers)))
 
     def forward(self, hidden_states, token_ids, positions, valid, masks, position_embeddings,
                 position_ids, past_key_values, use_cache):
@@ -131,9 +132,9 @@ def _layer_types(config) -> list[str]:
     return list(types_) if types_ else ["full_attention"] * config.num_hidden_layers
 
 
-def make_stack(model) -> HFDecoderStack:
+def make_stacks(model, routed) -> list[HFDecoderStack]:
     inner = model.model
-    return HFDecoderStack(inner.layers, _layer_types(inner.config))
+    return [HFDecoderStack(inner.layers, _layer_types(inner.config))]
 
 
 def _skip_aware_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -189,5 +190,5 @@ def mlp_weights(mlp):
 
 register_families("transformers", {"LlamaForCausalLM": "transformers.models.llama.modeling_llama",
                     "Qwen3ForCausalLM": "transformers.models.qwen3.modeling_qwen3"},
-                  make_stack=make_stack, make_attention=lambda layer: HFAttention(layer.self_attn),
-                  forward=_skip_aware_forward, mlp_weights=mlp_weights)
+                  make_stacks=make_stacks, install=replace_inner_forward(_skip_aware_forward),
+                  make_attention=lambda layer: HFAttention(layer.self_attn), mlp_weights=mlp_weights)

@@ -1,31 +1,22 @@
-"""SGLang (0.5.23) LlamaForCausalLM and Qwen3ForCausalLM, inside SGLang.
+"""SGLang (0.5.23) LlamaForCausalLM and Qwen3ForCausalLM, inside SGLang: only routed layers change.
 
-SGLang's decoder layers keep their residual in a "layer boundary" framework that is fragile to
-subclass or interleave with other code. vskipper therefore composes every layer from
-its parts: h1 = h + self_attn(norm(h)); out = h1 + mlp(post_norm(h1)), the same function
-without the fused add+norm. Tensor parallelism and pipeline parallelism are not supported
-(transform raises). Shapes: T = tokens of all requests flattened, H = hidden."""
+The inner model's forward stays SGLang's own, and so does every decoder layer the skipper does not
+route. A routed layer i is replaced, in `model.model.layers[i]`, by `SGLangRoutedLayer`: it takes
+and returns the hidden state in SGLang's convention at the layer boundary (SGLang's layers carry
+the residual in `forward_batch.residual_stream` and fuse its add into the next RMSNorm), and
+inside runs the routed layer the fx passes built from that layer's own parts (input_layernorm,
+self_attn, post_attention_layernorm, mlp). At its entry `residual_batch.fold` completes the
+hidden state (h = residual + the previous layer's output); at its exit `residual_batch.set_written`
+hands the routed layer's output on as a complete value, which the next layer's boundary reads as
+it reads an embedding. Auxiliary hidden-state capture (EAGLE3) receives the complete input, as
+SGLang's boundary gives it. Tensor and pipeline parallelism are not supported yet (transform
+raises, naming them). Shapes: T = tokens of all requests flattened, H = hidden."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from vskipper.models import register_families
-
-
-class SGLangLayer(nn.Module):
-    """A decoder layer composed from its parts (an fx leaf of the stack)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.input_layernorm = layer.input_layernorm
-        self.self_attn = layer.self_attn
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.mlp = layer.mlp
-
-    def forward(self, h, positions, forward_batch):
-        h = h + self.self_attn(positions, self.input_layernorm(h), forward_batch)
-        return h + self.mlp(self.post_attention_layernorm(h), forward_batch)
 
 
 class SGLangAttention(nn.Module):
@@ -90,15 +81,56 @@ class SGLangAttention(nn.Module):
         return out
 
 
-class SGLangDecoderStack(nn.Module):
-    def __init__(self, layers: nn.ModuleList) -> None:
+class SGLangSlot(nn.Module):
+    """What the fx passes trace for routed layer `index`: one call of the decoder layer (an fx
+    leaf, target "layers.<index>"), which the route pass rewrites into the routed layer."""
+
+    def __init__(self, index: int, layer: nn.Module) -> None:
         super().__init__()
-        self.layers = layers
+        self.layers = nn.ModuleDict({str(index): layer})
+        self.indices = (index,)
+        self.key = str(index)
 
     def forward(self, hidden_states, token_ids, positions, valid, forward_batch):
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, positions=positions, forward_batch=forward_batch)
-        return hidden_states
+        return self.layers[self.key](hidden_states, positions=positions, forward_batch=forward_batch)
+
+
+def valid_rows(forward_batch, T: int, device) -> torch.Tensor:
+    """[T] bool: the rows that are tokens. The CUDA-graph runner pads a batch up to a captured size
+    and says how many rows are real in `num_token_non_padded` (a device scalar: no host sync, and
+    read at every replay); eager batches may carry only the host count, or nothing (no padding)."""
+    n = getattr(forward_batch, "num_token_non_padded", None)
+    if n is None:
+        n = getattr(forward_batch, "global_num_token_non_padded_cpu", None)
+    rows = torch.arange(T, device=device)
+    return rows < n if n is not None else torch.ones(T, dtype=torch.bool, device=device)
+
+
+class SGLangRoutedLayer(nn.Module):
+    """Stands in `model.model.layers[i]` for a routed layer (see the module docstring). It holds
+    the decoder layer's own children under their own names, so the model's state-dict keys are
+    SGLang's; the traced routed layer is kept beside them, not as a submodule (its modules are
+    these)."""
+
+    def __init__(self, layer: nn.Module, graph) -> None:
+        super().__init__()
+        for name, child in layer.named_children():
+            self.add_module(name, child)
+        self.layer_id = getattr(layer.self_attn.attn, "layer_id", None)
+        object.__setattr__(self, "_vskipper_layer", graph)
+
+    def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
+        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+        if post_residual_addition is not None:
+            raise NotImplementedError(f"vskipper: routed layer {self.layer_id} got post_residual_addition "
+                                      "(deepstack inputs of a vision-language model): not supported")
+        h = residual_batch.fold(hidden_states, forward_batch)  # the complete hidden state [T, H]
+        if capture_output is not None:
+            capture_output(h)
+        valid = valid_rows(forward_batch, h.shape[0], h.device)
+        out = self._vskipper_layer(h, forward_batch.input_ids, positions, valid, forward_batch)
+        return residual_batch.set_written(out, forward_batch)
 
 
 def _check_parallel(model) -> None:
@@ -112,18 +144,18 @@ def _check_parallel(model) -> None:
         )
 
 
-def make_stack(model) -> SGLangDecoderStack:
+def make_stacks(model, routed) -> list[SGLangSlot]:
     _check_parallel(model)
-    inner = model.model
-    return SGLangDecoderStack(nn.ModuleList([SGLangLayer(l) for l in inner.layers]))
+    layers = model.model.layers
+    return [SGLangSlot(i, layers[i]) for i in routed]
 
 
-def _skip_aware_forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
-    """The SGLang inner model's forward after `vskipper.transform`."""
-    h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
-    valid = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
-    h = self._vskipper_stack(h, input_ids, positions, valid, forward_batch)
-    return self.norm(h)
+def install(model, stacks) -> None:
+    """Each routed layer's slot in model.model.layers takes its transformed graph; nothing else changes."""
+    layers = model.model.layers
+    for slot, gm in stacks:
+        (i,) = slot.indices
+        layers[i] = SGLangRoutedLayer(layers[i], gm)
 
 
 def mlp_weights(mlp):
@@ -134,5 +166,5 @@ def mlp_weights(mlp):
 
 
 register_families("sglang", {"LlamaForCausalLM": "sglang.srt.models.llama", "Qwen3ForCausalLM": "sglang.srt.models.qwen3"},
-                  make_stack=make_stack, make_attention=lambda layer: SGLangAttention(layer.self_attn),
-                  forward=_skip_aware_forward, mlp_weights=mlp_weights)
+                  make_stacks=make_stacks, install=install,
+                  make_attention=lambda layer: SGLangAttention(layer.self_attn), mlp_weights=mlp_weights)

@@ -22,9 +22,11 @@ class RoutePass(Pass):
     name = "route"
 
     def __init__(self, skipper: Skipper, make_routed: Callable[[int, nn.Module], nn.Module],
-                 counters: nn.ModuleDict, input_norm: str) -> None:
-        """make_routed(i, decoder layer) -> the RoutedLayer of layer i, its body chosen."""
+                 counters: nn.ModuleDict, input_norm: str, layers=None) -> None:
+        """make_routed(i, decoder layer) -> the RoutedLayer of layer i, its body chosen. layers: the
+        routed layers this stack calls (default: all of the skipper's)."""
         self.skipper, self.make_routed, self.counters, self.input_norm = skipper, make_routed, counters, input_norm
+        self.layers = tuple(skipper.layers if layers is None else layers)
         self.rewritten: list[int] = []
 
     def requires(self, gm: fx.GraphModule) -> None:
@@ -33,7 +35,7 @@ class RoutePass(Pass):
         if missing:
             raise PassError(self.name, "DecoderStack", f"the traced stack has no input(s) {missing}")
         found = {layer_index(n, "layers") for n in gm.graph.nodes}
-        for i in self.skipper.layers:
+        for i in self.layers:
             if i not in found:
                 raise PassError(self.name, f"layers.{i}", "routed layer is not called by the traced stack")
 
@@ -43,7 +45,7 @@ class RoutePass(Pass):
         thr = self.skipper.threshold
         for node in list(g.nodes):
             i = layer_index(node, "layers")
-            if i is None or i not in self.skipper.layers:
+            if i is None or i not in self.layers:
                 continue
             layer = gm.get_submodule(node.target)
             if not hasattr(layer, self.input_norm):
@@ -76,6 +78,6 @@ class RoutePass(Pass):
         return gm, bool(self.rewritten)
 
     def ensures(self, gm: fx.GraphModule) -> None:
-        left = [i for i in (layer_index(n, "layers") for n in gm.graph.nodes) if i in self.skipper.layers]
+        left = [i for i in (layer_index(n, "layers") for n in gm.graph.nodes) if i in self.layers]
         if left:
             raise PassError(self.name, f"layers.{left[0]}", "routed layer still called as a plain layer")

@@ -14,6 +14,7 @@ class StackTracer(fx.Tracer):
 
 
 def trace_stack(stack: nn.Module) -> fx.GraphModule:
-    """stack.layers are the leaves; returns a GraphModule whose call_module nodes target layers.<i>."""
-    graph = StackTracer(stack.layers).trace(stack)
+    """stack.layers (a ModuleList, or a ModuleDict keyed by layer index) are the leaves; returns a
+    GraphModule whose call_module nodes target layers.<i>."""
+    graph = StackTracer(stack.layers.children()).trace(stack)
     return fx.GraphModule(stack, graph, class_name="DecoderStack")

@@ -17,8 +17,9 @@ from vskipper.passes.base import Pass, PassError, layer_index
 class VerifyPass(Pass):
     name = "verify"
 
-    def __init__(self, num_layers: int, routed: tuple[int, ...]) -> None:
-        self.num_layers, self.routed = num_layers, set(routed)
+    def __init__(self, layers, routed) -> None:
+        """layers: the indices of the decoder layers the stack calls; routed: those the skipper routes."""
+        self.layers, self.routed = tuple(layers), set(routed)
 
     def call(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
         seen: dict[int, list[str]] = {}
@@ -35,7 +36,7 @@ class VerifyPass(Pass):
                 if (n.args[5] is not None) != body.needs_maps:
                     raise PassError(self.name, n.target, f"route maps {'missing' if body.needs_maps else 'given'} "
                                                          f"for body {body.name!r}")
-        for i in range(self.num_layers):
+        for i in self.layers:
             calls = seen.get(i, [])
             if len(calls) != 1:
                 raise PassError(self.name, f"layers.{i}", f"called {len(calls)} times ({calls}); expected once")

@@ -8,6 +8,7 @@ import logging
 logger = logging.getLogger("vskipper")
 
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"  # one scheduler step, eager or replayed
 VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 _registered = False
 
@@ -30,6 +31,7 @@ def register() -> None:
         except ValueError:  # already registered in this process
             pass
     HookRegistry.register(LOAD_MODEL, after_load_model, HookType.AFTER)
+    HookRegistry.register(RUNNER_FORWARD, after_runner_forward, HookType.AFTER)
     HookRegistry.register(VALIDATE, validate_token_ids, HookType.BEFORE)
     _registered = True
 
@@ -56,4 +58,14 @@ def after_load_model(result, runner, *args, **kwargs):
     from vskipper.integrations.sglang.runtime import transform_loaded
 
     transform_loaded(runner)
+    return result
+
+
+def after_runner_forward(result, runner, *args, **kwargs):
+    """After each model-runner step (outside the model's forward, so also when the step was a
+    replayed CUDA graph): the stats reporter, if the runner has one, counts it."""
+    reporter = getattr(runner, "_vskipper_stats", None)
+    if reporter is not None:
+        fb = kwargs.get("forward_batch", args[0] if args else None)
+        reporter.after_step(fb)
     return result

@@ -1,5 +1,7 @@
 """What happens inside SGLang's model runner after the weights load: transform the model, and
-log per-layer skip statistics every N decode steps."""
+log per-layer skip statistics every N decode steps (read after a runner step, never inside the
+model's forward: the route counters stay on the device, and a captured decode graph updates them
+on every replay)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +16,10 @@ logger = logging.getLogger("vskipper")
 
 def transform_loaded(runner) -> None:
     model = runner.model
+    if getattr(runner, "is_draft_worker", False):
+        logger.info("vskipper: the draft model runner (speculative decoding) is left untransformed; "
+                    "the skipper applies to the target model")
+        return
     settings = Settings.from_env()
     pending = getattr(model, "_vskipper_pending", None)
     if pending is not None:
@@ -27,11 +33,11 @@ def transform_loaded(runner) -> None:
         skipper = parse_skipper(settings.skipper_spec)
     else:
         return  # a stock model and no skipper: served unchanged
+    check_supported(runner, skipper.layers)
     vskipper.transform(model, skipper, settings.config())
-    logger.info("vskipper: transformed %s with %s (%s), routed layers %s", type(model).__name__,
-                type(skipper).__name__, settings.config(), list(skipper.layers))
+    logger.info("%s", vskipper.explain(model))
     if settings.stats_interval:
-        install_stats_logger(model, settings.stats_interval)
+        install_stats_logger(runner, settings.stats_interval)
 
 
 def format_stats(st: dict[int, dict[str, int]]) -> str:
@@ -64,20 +70,44 @@ class PrometheusExport:
                 self.last[key] = s[route]
 
 
-def install_stats_logger(model, interval: int) -> None:
-    steps = {"n": 0}
-    export = PrometheusExport() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+def check_supported(runner, routed) -> None:
+    """Fail at load, naming the layer or flag, for what the routed layers cannot run yet: quantized
+    linears (the routed bodies read plain weights) and a quantized KV cache (K/V are written
+    without scales)."""
+    kv = getattr(getattr(runner, "server_args", None), "kv_cache_dtype", "auto")
+    if kv not in ("auto", None, "bfloat16", "float16", "float32"):
+        raise NotImplementedError(f"vskipper: --kv-cache-dtype {kv} is not supported (routed layers write K/V "
+                                  f"without scales); serve with --kv-cache-dtype auto")
+    layers = runner.model.model.layers
+    for i in (i for i in routed if i < len(layers)):  # (out of range: transform names it)
+        for name, module in layers[i].named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
+                raise NotImplementedError(f"vskipper: model.layers.{i}.{name} is quantized ({type(method).__name__}); "
+                                          f"vskipper's routed layers support unquantized (bf16/fp16/fp32) models only")
 
-    def hook(module, args, kwargs, output):
-        fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
-        if fb is None or not fb.forward_mode.is_decode():
+
+class StatsReporter:
+    """Counts decode steps after each model-runner step and, every `interval`, reads the route
+    counters (a host read, outside the model's forward, never while SGLang captures a graph), logs
+    them and updates the Prometheus export."""
+
+    def __init__(self, model, interval: int) -> None:
+        self.model, self.interval, self.steps = model, interval, 0
+        self.export = PrometheusExport() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+
+    def after_step(self, forward_batch) -> None:
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+
+        if forward_batch is None or get_is_capture_mode() or not forward_batch.forward_mode.is_decode():
             return
-        steps["n"] += 1
-        if steps["n"] % interval == 0:
-            st = vskipper.stats(model)
-            logger.info("vskipper: after %d decode steps: %s", steps["n"], format_stats(st))
-            if export is not None:
-                export.update(st)
+        self.steps += 1
+        if self.steps % self.interval == 0:
+            st = vskipper.stats(self.model)
+            logger.info("vskipper: after %d decode steps: %s", self.steps, format_stats(st))
+            if self.export is not None:
+                self.export.update(st)
 
-    # SGLang's runner calls model.forward() directly (no hooks); the inner model is called normally
-    model.model.register_forward_hook(hook, with_kwargs=True)
+
+def install_stats_logger(runner, interval: int) -> None:
+    runner._vskipper_stats = StatsReporter(runner.model, interval)
