@@ -1,0 +1,191 @@
+"""The decode step inside SGLang, side by side in one process: upstream SGLang's own layers against
+vskipper's routed layers on the same model, the same batch and the same KV pool.
+
+One SGLang ModelRunner is loaded the way `sglang.benchmark.one_batch` loads it (SGLang's
+scheduler is bypassed; the vskipper_cpu platform on a machine without a GPU). Each system is a
+set of decoder layers: upstream's own, or the ones `vskipper.transform` made for a skipper (only
+routed layers differ). A round puts each system's layers in place, in a fresh random order, and
+times one decode step of the batch; ratios are paired within rounds (median, bootstrap 95% CI).
+The batch's sequences grow by one token per step, alike for every system of a round.
+
+    python bench/sglang_step.py                        # SmolLM2-135M, batch 1 8 32, 128-token prompts
+    python bench/sglang_step.py --batch 32 --rounds 40 --threads 1
+
+Also prints what the per-layer routing work (router, decisions, route maps, counter) costs,
+timed alone at each batch size, so the rate-0 overhead is a number per routed layer.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+SYSTEMS = {  # name -> (skipper spec or None for upstream, execution)
+    "upstream": (None, None),
+    "rate0-dense": ("random:rate=0,layers=15-29,seed=0", "dense"),
+    "rate0-routed": ("random:rate=0,layers=15-29,seed=0", "routed"),
+    "skip0.5-routed": ("random:rate=0.5,layers=15-29,seed=0", "routed"),
+}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=30, help="paired rounds per batch size")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    a = ap.parse_args(argv)
+    if min(a.batch) < 1 or a.rounds < 2 or a.input_len < 1 or a.threads < 1:
+        ap.error("--batch, --input-len and --threads must be >= 1, --rounds >= 2")
+    if "upstream" not in a.systems:
+        ap.error("--systems must include upstream (the baseline)")
+    return a
+
+
+def layer_sets(model, systems):
+    """{system: (decoder layers, vskipper state or None)}: each system's layers over one model."""
+    import vskipper
+
+    inner = model.model
+    upstream = list(inner.layers)
+    out = {}
+    for name in systems:
+        spec, execution = SYSTEMS[name]
+        for i, layer in enumerate(upstream):
+            inner.layers[i] = layer
+        if hasattr(model, "vskipper"):
+            del model.vskipper
+        if spec is None:
+            out[name] = (upstream, None)
+            continue
+        vskipper.transform(model, vskipper.parse_skipper(spec), vskipper.Config(execution=execution))
+        out[name] = (list(inner.layers), model.vskipper)
+    return out
+
+
+def use(model, layers, state) -> None:
+    for i, layer in enumerate(layers):
+        model.model.layers[i] = layer
+    if hasattr(model, "vskipper"):
+        del model.vskipper
+    if state is not None:
+        model.vskipper = state
+
+
+def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, float]:
+    """us per routed layer of the routing work alone at T rows: router, decisions, route maps, counter."""
+    import torch
+
+    from vskipper import ops
+    from vskipper.skippers.base import sanitize_gate
+
+    sk = state.skipper
+    layer = sk.layers[0]
+    router, counter = sk.router(layer), state.counters[str(layer)]
+    x = torch.randn(T, hidden)
+    pos, ids, valid = torch.arange(T), torch.randint(1, 1000, (T,)), torch.ones(T, dtype=torch.bool)
+    with torch.no_grad():
+        g = router(x, pos, ids)
+        gate, run, bad = sanitize_gate(g, sk.threshold)
+        parts = {"router": lambda: router(x, pos, ids), "decide": lambda: sanitize_gate(g, sk.threshold),
+                 "route_maps": lambda: ops.route_maps(run, valid, impl="torch"),
+                 "counter": lambda: counter(run, valid, bad)}
+        out = {}
+        for name, fn in parts.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            out[name] = (time.perf_counter() - t0) / reps * 1e6
+    counter.counts.zero_()
+    return out
+
+
+def run(args, runner) -> None:
+    import torch
+
+    from sglang.benchmark import one_batch
+
+    from vskipper.bench.paired import paired_delta
+
+    torch.set_num_threads(args.threads)
+    model = runner.torch_runner.model
+    sets = layer_sets(model, args.systems)
+    rng = random.Random(0)
+    print(f"SGLang decode step, {type(model).__name__} ({len(model.model.layers)} layers), prompts of "
+          f"{args.input_len} tokens, {args.rounds} paired rounds in random order, {args.threads} thread(s); "
+          f"systems: " + ", ".join(f"{n} = {SYSTEMS[n][0] or 'SGLang alone'}"
+                                   + (f" ({SYSTEMS[n][1]})" if SYSTEMS[n][1] else "") for n in args.systems) + "\n")
+    head = "| batch | upstream ms | " + " | ".join(f"{n} / upstream (95% CI)" for n in args.systems[1:]) + " |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for B in args.batch:
+        runner.clear()
+        reqs = one_batch.prepare_synthetic_inputs_for_latency_test(B, args.input_len)
+        use(model, *sets["upstream"])
+        next_ids, _, batch = runner.extend(reqs)
+        times = {n: [] for n in args.systems}
+        for r in range(args.rounds + 1):
+            order = list(args.systems)
+            rng.shuffle(order)
+            for n in order:
+                use(model, *sets[n])
+                t0 = time.perf_counter()
+                next_ids, _ = runner.decode(next_ids, batch)
+                dt = time.perf_counter() - t0
+                if r:  # round 0 warms every system up
+                    times[n].append(dt)
+        up = times["upstream"]
+        cells = [paired_delta(times[n], up) for n in args.systems[1:]]
+        rows.append(f"| {B} | {statistics.median(up) * 1e3:.1f} | "
+                    + " | ".join(f"{1 + d.median:.3f} [{1 + d.lo:.3f}, {1 + d.hi:.3f}]" for d in cells) + " |")
+        print(f"  batch {B} done", file=sys.stderr, flush=True)
+    use(model, *sets["upstream"])
+    print("\n".join(rows))
+    state = next(v[1] for v in sets.values() if v[1] is not None)
+    n_routed = len(state.skipper.layers)
+    print(f"\nRouting work per routed layer ({n_routed} routed layers), timed alone, us:\n")
+    print("| T | router | decide | route_maps | counter | total | x routed layers, ms |\n|---|---|---|---|---|---|---|")
+    for T in args.batch:
+        c = routing_cost_us(state, model.config.hidden_size, T)
+        total = sum(c.values())
+        print(f"| {T} | " + " | ".join(f"{v:.1f}" for v in c.values()) + f" | {total:.1f} | {total * n_routed / 1e3:.2f} |")
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    os.environ["SGLANG_PLATFORM"] = os.environ.get("SGLANG_PLATFORM") or (
+        "" if __import__("torch").cuda.is_available() else "vskipper_cpu")
+    os.environ.pop("VSKIPPER_SKIPPER", None)  # the model loads as upstream's; systems are made here
+    from sglang.benchmark import one_batch
+    from sglang.srt.server_args import ServerArgs
+
+    from vskipper.models.smollm2 import smollm2_dir
+
+    path = args.model or str(smollm2_dir())
+    cpu = os.environ["SGLANG_PLATFORM"] == "vskipper_cpu"
+    server_args = ServerArgs(model_path=path, skip_tokenizer_init=False, log_level="error",
+                             max_total_tokens=max(4096, max(args.batch) * (args.input_len + 4 * args.rounds + 16)),
+                             **(dict(device="cpu", dtype="float32", attention_backend="torch_native",
+                                     disable_cuda_graph=True) if cpu else {}))
+    bench_args = one_batch.BenchArgs(batch_size=(max(args.batch),), input_len=(args.input_len,), output_len=(8,))
+
+    def work(server_args, port_args, bench_args, gpu_id, tp_rank):  # latency_test's set-up, then ours
+        one_batch.publish(server_args, role="scheduler",
+                          ranks=one_batch.SpawnRanks(world_rank=one_batch.spawn_world_rank(server_args, tp_rank=tp_rank,
+                                                                                          pp_rank=0), gpu_id=gpu_id))
+        one_batch._init_process_global_configs()
+        one_batch.configure_logger(server_args, prefix=f" TP{tp_rank}")
+        runner, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
+        run(args, runner)
+
+    one_batch.latency_test = work  # one_batch.main resolves the server args, then calls its work function
+    one_batch.main(server_args, bench_args)
+
+
+if __name__ == "__main__":
+    main()
