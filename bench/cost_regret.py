@@ -51,9 +51,10 @@ def main(argv=None) -> None:
             ms = {b: lower_quartile(v) for b, v in s.items()}
             # auto / min(dense, routed), each ratio paired round by round (slow spells cancel)
             regrets.append(max(paired_ratio(s, "auto", "dense"), paired_ratio(s, "auto", "routed")) - 1)
-            other = "routed" if auto.current == "dense" else "dense"
-            choice.append(max(paired_ratio(s, auto.current, other), 1.0) - 1)  # the choice alone
-            rows.append(f"| {T} | {f} | {ms['dense']:.3f} | {ms['routed']:.3f} | {ms['auto']:.3f} | {auto.current} | "
+            chose = auto.current[(True, T)]  # decode steps of T rows
+            other = "routed" if chose == "dense" else "dense"
+            choice.append(max(paired_ratio(s, chose, other), 1.0) - 1)  # the choice alone
+            rows.append(f"| {T} | {f} | {ms['dense']:.3f} | {ms['routed']:.3f} | {ms['auto']:.3f} | {chose} | "
                         f"{choice[-1]:+.3f} | {regrets[-1]:+.3f} |")
         print(f"T={T} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order "

@@ -123,6 +123,7 @@ def test_malformed_config(ckpt, text, msg):
     ({"architectures": ["LlamaForCausalLM"]}, "expected \\[\"DDLlamaForCausalLM\"\\]"),
     ({"gate_mode": "maybe"}, "gate_mode='maybe' must be 'soft' or 'hard'"),
     ({"hidden_size": -3}, "hidden_size.*must be a positive integer"),
+    ({"expected_run_fraction": 1.5}, r"expected_run_fraction=1.5 must be a number in \[0, 1\]"),
 ])
 def test_bad_config_fields(ckpt, edit, msg):
     path, _, _ = ckpt
@@ -131,3 +132,15 @@ def test_bad_config_fields(ckpt, edit, msg):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=msg):
         vskipper.from_pretrained(path)
+
+
+def test_expected_run_fraction_is_read_and_written(ckpt, tmp_path):
+    path, base, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    assert "expected_run_fraction" not in cfg and vskipper.FlexiDepth.from_pretrained(path).expected_run_fraction is None
+    cfg["expected_run_fraction"] = 0.7
+    (path / "config.json").write_text(json.dumps(cfg))
+    sk = vskipper.FlexiDepth.from_pretrained(path)
+    assert sk.expected_run_fraction == 0.7
+    again = json.loads((save_checkpoint(tmp_path / "again", base, sk) / "config.json").read_text())
+    assert again["expected_run_fraction"] == 0.7

@@ -92,7 +92,7 @@ def test_auto_uses_both_bodies_as_the_model_predicts():
     layer = m.model._vskipper_stack.routed.get_submodule("2")
     seen = []
     orig = layer.body.chooser.choose
-    layer.body.chooser.choose = lambda T, counts: seen.append((T, orig(T, counts))) or seen[-1][1]
+    layer.body.chooser.choose = lambda T, counts, *a: seen.append((T, orig(T, counts, *a))) or seen[-1][1]
     with torch.no_grad():
         m(torch.randint(1, 100, (1, 1)))  # T = 1: dense
         m(torch.randint(1, 100, (4, 8)))  # T = 32: routed
@@ -148,3 +148,23 @@ def test_measure_a_tiny_grid():
     assert cost.load("cpu", 32, 48) is None  # measure alone caches nothing
     cost.save(cal)
     assert cost.load("cpu", 32, 48) == cal
+
+
+def test_auto_plans_captured_graphs_from_the_declared_fraction_and_keeps_state_per_phase_and_size():
+    cal = synthetic()
+    chooser = cost.Chooser(cal, expected=0.25)
+    assert chooser.declared and chooser.plan((1, 2, 4, 16)) == {1: "dense", 2: "dense", 4: "routed", 16: "routed"}
+    assert cost.Chooser(cal).expected == 0.5 and not cost.Chooser(cal).declared
+    assert cost.Chooser(cal, expected=1.0).planned(16) == "dense"  # routed at f = 1 costs 1.1 x dense here
+    # hysteresis per (phase, batch size): a decode step at T = 16 does not move prefill's state
+    near = torch.tensor([15, 1], dtype=torch.int32)  # f = 15/16, where dense wins
+    assert chooser.choose(16, near, decode=True) == "dense"
+    assert chooser.choose(16, torch.tensor([2, 14], dtype=torch.int32), decode=False) == "routed"
+    assert chooser.current == {(True, 16): "dense", (False, 16): "routed"}
+
+
+def test_explain_shows_auto_s_graph_plan():
+    cost.save(synthetic())
+    m = transformed(tiny_llama(), vskipper.RandomSkip(0.75, [2]), "auto")
+    assert "auto inside captured CUDA graphs, body per batch size at RUN fraction 0.25 (declared by the skipper): " \
+           "1:dense 2:dense 4:routed" in vskipper.explain(m)

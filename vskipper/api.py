@@ -8,7 +8,9 @@ from vskipper import cost
 from vskipper.config import Config
 from vskipper.models import ModelFamily, family_for
 from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
-from vskipper.routed_layer import Body, RouteCounter, RoutedLayer, make_body
+from vskipper.routed_layer import AutoBody, Body, RouteCounter, RoutedLayer, make_body
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() shows auto's graph plan for
 from vskipper.skippers.base import Skipper
 
 
@@ -41,6 +43,11 @@ class VSkipperState(nn.Module):
                 groups.append([key, i, i])
         for (what, why), lo, hi in groups:
             lines.append(f"  layer{'s' if hi > lo else ''} {lo if lo == hi else f'{lo}-{hi}'}: {what}  [{why}]")
+        auto = next((b.chooser for b in self.bodies.values() if isinstance(b, AutoBody)), None)
+        if auto is not None:
+            plan = " ".join(f"{T}:{b}" for T, b in auto.plan(GRAPH_SIZES).items())
+            lines.append(f"  auto inside captured CUDA graphs, body per batch size at RUN fraction {auto.expected:g} "
+                         f"({'declared by the skipper' if auto.declared else 'not declared: assumed'}): {plan}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -89,7 +96,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
             cost.warn_uncalibrated(device, hidden, intermediate)
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
-        state.bodies[i], state.reasons[i] = make_body(config, device, calibration)
+        state.bodies[i], state.reasons[i] = make_body(config, device, calibration, skipper.expected_run_fraction)
         return RoutedLayer(i, family.make_attention(layer), getattr(layer, family.post_norm),
                            getattr(layer, family.mlp), skipper.adapter(i), skipper.gate, state.bodies[i],
                            mlp_weights=family.mlp_weights, check_sync=config.check_sync)

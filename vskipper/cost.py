@@ -12,10 +12,11 @@ Where the choice is made: in `Chooser.choose` (held by routed_layer.AutoBody), o
 once per routed layer and step, from T (the row count, a shape) and the layer's RUN fraction:
   - on CPU the route counts are read directly (no device to wait for);
   - on an accelerator the fraction is an EMA of earlier steps' counts, copied to pinned host
-    memory without blocking and read one step later: the choice never waits for the device.
-  Hysteresis: the body changes only when the other is predicted cheaper by more than `margin`.
-  Inside a captured CUDA graph the Python choice runs once, at capture: the body is fixed per
-  captured batch size (from the EMA at capture time, or the skipper's expected rate).
+    memory without blocking and read once its copy has landed: the choice never waits for the device;
+  - inside CUDA-graph capture nothing is read: the body is planned from the calibration, T and the
+    skipper's declared expected RUN fraction, so it is fixed per captured batch size (`plan`).
+  Hysteresis (per phase and batch size): the body changes only when the other is predicted
+  cheaper by more than `margin`.
 No calibration for this device: dense-masked everywhere, with one warning naming the command.
 """
 from __future__ import annotations
@@ -182,38 +183,61 @@ def load(device: torch.device | str, hidden: int, intermediate: int) -> Calibrat
 
 
 class Chooser:
-    """The per-layer, per-step choice of routed_layer.AutoBody (Config(execution="auto")): dense or
-    routed, from the calibration (see the module docstring)."""
+    """The per-layer choice of routed_layer.AutoBody (Config(execution="auto")): dense or routed,
+    from the calibration (see the module docstring).
 
-    def __init__(self, calibration: Calibration, ema: float = 0.5, margin: float = 0.03) -> None:
+    expected: the RUN fraction the skipper declares (Skipper.expected_run_fraction; 0.5 when it
+    declares none), what the choice plans with where it cannot look: inside CUDA-graph capture the
+    body is `planned(T)`, a pure function of the calibration, T and `expected`, so each captured
+    batch size gets one fixed body (`plan` lists them). Elsewhere the choice is made per step, with
+    hysteresis state kept per phase (prefill, decode) and batch size."""
+
+    def __init__(self, calibration: Calibration, expected: float | None = None, ema: float = 0.5,
+                 margin: float = 0.03) -> None:
         self.cal, self.alpha, self.margin = calibration, ema, margin
-        self.fraction: float | None = None
-        self.current: str | None = None
-        self._host = None  # pinned copy of the last counts (accelerators)
-        self._memo: dict[tuple, str] = {}  # (T, RUN count or percent, current) -> body: a dict hit per step
+        self.declared = expected is not None
+        self.expected = 0.5 if expected is None else float(expected)
+        self.current: dict[tuple, str] = {}  # (phase, T) -> the body chosen last (hysteresis)
+        self.fraction: dict[bool, float] = {}  # phase -> EMA of the RUN fraction seen (accelerators)
+        self._host = self._event = None  # pinned copy of the last counts, and its copy's event (CUDA)
+        self._memo: dict[tuple, str] = {}  # (phase, T, RUN count or percent, current) -> body: a dict hit
 
-    def _decide(self, T: int, key: int, f: float) -> str:
-        memo_key = (T, key, self.current)
+    def planned(self, T: int) -> str:
+        """The body for a captured graph of T rows: no state, no device read."""
+        return self.cal.choose(T, self.expected)
+
+    def plan(self, sizes) -> dict[int, str]:
+        return {T: self.planned(T) for T in sizes}
+
+    def _decide(self, decode: bool, T: int, key: int, f: float) -> str:
+        where = (decode, T)
+        cur = self.current.get(where)
+        memo_key = (decode, T, key, cur)
         body = self._memo.get(memo_key)
         if body is None:
             if len(self._memo) > 4096:  # prefill sizes vary without bound: keep the memo small
                 self._memo.clear()
-            body = self._memo[memo_key] = self.cal.choose(T, f, self.current, self.margin)
-        self.current = body
+            body = self._memo[memo_key] = self.cal.choose(T, f, cur, self.margin)
+        self.current[where] = body
         return body
 
-    def choose(self, T: int, counts: torch.Tensor) -> str:
+    def choose(self, T: int, counts: torch.Tensor, decode: bool = True) -> str:
         if counts.is_cpu:  # (not .device.type: measured 5 us per call inside a step)
             n = counts.tolist()[0]
-            return self._decide(T, n, n / max(T, 1))
-        if self._host is not None:
-            seen = float(self._host[0]) / max(T, 1)
-            self.fraction = seen if self.fraction is None else self.alpha * seen + (1 - self.alpha) * self.fraction
-        else:
+            return self._decide(decode, T, n, n / max(T, 1))
+        if not counts.is_cuda or torch.cuda.is_current_stream_capturing():
+            return self.planned(T)
+        if self._host is None:
             self._host = torch.zeros(2, dtype=counts.dtype, pin_memory=True)
+            self._event = torch.cuda.Event()
+        elif self._event.query():  # the previous step's copy has landed: read it, never wait for it
+            seen = float(self._host[0]) / max(T, 1)
+            last = self.fraction.get(decode)
+            self.fraction[decode] = seen if last is None else self.alpha * seen + (1 - self.alpha) * last
         self._host.copy_(counts, non_blocking=True)
-        f = 0.5 if self.fraction is None else self.fraction
-        return self._decide(T, round(f * 100), f)
+        self._event.record()
+        f = self.fraction.get(decode, self.expected)
+        return self._decide(decode, T, round(f * 100), f)
 
 
 def _nondecreasing(ys: list[float]) -> list[float]:

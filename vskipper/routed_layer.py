@@ -114,15 +114,17 @@ class AutoBody(Body):
         self.maps_impl = routed.maps_impl
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
-        pick = self.chooser.choose(h.numel() // h.shape[-1], maps[2])
+        pick = self.chooser.choose(h.numel() // h.shape[-1], maps[2], layer.attention.is_decode(x, ctx))
         return (self.routed if pick == "routed" else self.dense)(layer, h, x, g, run, valid, maps, ctx)
 
     def describe(self) -> str:
         return f"auto: {self.dense.describe()} or {self.routed.describe()}, per step by the cost model"
 
 
-def make_body(config: Config, device: torch.device, calibration: cost.Calibration | None) -> tuple[Body, str]:
-    """The body of one routed layer of a model on `device`, and why: decided here, once."""
+def make_body(config: Config, device: torch.device, calibration: cost.Calibration | None,
+              expected_run_fraction: float | None = None) -> tuple[Body, str]:
+    """The body of one routed layer of a model on `device`, and why: decided here, once.
+    expected_run_fraction: the skipper's, what auto plans captured graphs with."""
     impl = ops.resolve_impl(config.impl, device)
     fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
     routed = FixedRoutedBody(impl) if fixed else RoutedBody()
@@ -134,7 +136,7 @@ def make_body(config: Config, device: torch.device, calibration: cost.Calibratio
         return routed, f"execution='routed', {shapes}, impl={impl!r}"
     if calibration is None:
         return DenseBody(), "execution='auto' without a cost calibration for this device (run `vskipper calibrate`)"
-    return (AutoBody(DenseBody(), routed, cost.Chooser(calibration)),
+    return (AutoBody(DenseBody(), routed, cost.Chooser(calibration, expected_run_fraction)),
             f"execution='auto', {shapes}, impl={impl!r}, calibration {calibration.key()!r}")
 
 

@@ -77,6 +77,10 @@ def skipper_fields(cfg: dict, path) -> dict:
     gate = cfg.get("gate_mode", default_gate)
     if gate not in ("soft", "hard"):
         raise CheckpointError(f"{where}: config.json gate_mode={gate!r} must be 'soft' or 'hard'")
+    expected = cfg.get("expected_run_fraction")
+    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
+                                 or not 0 <= expected <= 1):
+        raise CheckpointError(f"{where}: config.json expected_run_fraction={expected!r} must be a number in [0, 1]")
     eps = cfg.get("rms_norm_eps", 1e-6)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
         raise CheckpointError(f"{where}: config.json rms_norm_eps={eps!r} must be a positive number")
@@ -91,6 +95,7 @@ def skipper_fields(cfg: dict, path) -> dict:
         "rms_norm_eps": float(eps),
         "router_reduction_factor": _int_field(cfg, "router_reduction_factor", where, 16),
         "proj_reduction_factor": _int_field(cfg, "proj_reduction_factor", where, 16),
+        "expected_run_fraction": None if expected is None else float(expected),
     }
 
 

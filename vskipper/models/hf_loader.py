@@ -16,7 +16,8 @@ HF_CLASSES = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaConfig", "LlamaForCausalLM", "LlamaRotaryEmbedding"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Config", "Qwen3ForCausalLM", "Qwen3RotaryEmbedding"),
 }
-SKIPPER_CONFIG_KEYS = ("routing_layers", "gate_mode", "router_reduction_factor", "proj_reduction_factor")
+SKIPPER_CONFIG_KEYS = ("routing_layers", "gate_mode", "router_reduction_factor", "proj_reduction_factor",
+                       "expected_run_fraction")
 DROP_CONFIG_KEYS = SKIPPER_CONFIG_KEYS + ("architectures", "auto_map", "model_type", "transformers_version",
                                           "torch_dtype", "dtype", "quantization_config")
 
@@ -75,6 +76,8 @@ def save_checkpoint(path, model: nn.Module, skipper, **extra_config) -> Path:
     cfg.update(architectures=[arch], routing_layers=list(skipper.layers), gate_mode=skipper.gate,
                router_reduction_factor=skipper.hidden_size // skipper.router_dim,
                proj_reduction_factor=skipper.intermediate_size // skipper.proj_dim, **extra_config)
+    if skipper.expected_run_fraction is not None:
+        cfg.setdefault("expected_run_fraction", skipper.expected_run_fraction)
     (path / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     state = {k: v for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):

@@ -5,6 +5,8 @@ A skipper is an `nn.Module` that declares, statically:
   gate       "soft": RUN rows add g * MLP, PROJECT rows add (1 - g) * adapter;
              "hard": no scaling;
   threshold  a token RUNs routed layer l when g > threshold;
+  expected_run_fraction  the share of tokens expected to RUN a routed layer, or None if the skipper
+             does not declare one: what `auto` plans with where it cannot look (CUDA-graph capture);
 and per routed layer l:
   router(l)  (x [T, H] after input_layernorm, positions [T], token_ids [T]) -> g [T];
              any leading shape works as long as positions/token_ids match it;
@@ -48,6 +50,7 @@ class Skipper(nn.Module):
     layers: tuple[int, ...]
     gate: str = "soft"
     threshold: float = 0.5
+    expected_run_fraction: float | None = None
 
     def __init__(self, layers: Iterable[int], gate: str = "soft", threshold: float = 0.5) -> None:
         super().__init__()

@@ -88,8 +88,14 @@ class FlexiDepth(Skipper):
         router_reduction_factor: int = 16,
         proj_reduction_factor: int = 16,
         threshold: float = 0.5,
+        expected_run_fraction: float | None = None,
     ) -> None:
         super().__init__(layers, gate=gate, threshold=threshold)
+        if expected_run_fraction is not None and (isinstance(expected_run_fraction, bool) or not isinstance(
+                expected_run_fraction, (int, float)) or not 0.0 <= expected_run_fraction <= 1.0):
+            raise ValueError(f"FlexiDepth: expected_run_fraction={expected_run_fraction!r} must be a number in [0, 1] "
+                             f"or None")
+        self.expected_run_fraction = None if expected_run_fraction is None else float(expected_run_fraction)
         for name, v in (
             ("hidden_size", hidden_size),
             ("intermediate_size", intermediate_size),
@@ -177,7 +183,7 @@ class FlexiDepth(Skipper):
         return cls(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
                    rms_norm_eps=f["rms_norm_eps"], gate=gate or f["gate_mode"],
                    router_reduction_factor=f["router_reduction_factor"],
-                   proj_reduction_factor=f["proj_reduction_factor"])
+                   proj_reduction_factor=f["proj_reduction_factor"], expected_run_fraction=f["expected_run_fraction"])
 
     @classmethod
     def from_pretrained(cls, path, gate: str | None = None, dtype: torch.dtype = torch.float32) -> "FlexiDepth":

@@ -88,6 +88,7 @@ class RandomSkip(Skipper):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"RandomSkip: seed={seed!r} must be an integer >= 0")
         self.rate, self.seed = float(rate), seed
+        self.expected_run_fraction = 1.0 - self.rate
         self.routers = nn.ModuleDict({str(l): RandomSkipRouter(self.rate, l, seed) for l in self.layers})
 
     def router(self, layer: int) -> nn.Module:
@@ -107,6 +108,7 @@ class Static(Skipper):
 
     def __init__(self, layers: Iterable[int]) -> None:
         super().__init__(layers, gate="hard", threshold=0.5)
+        self.expected_run_fraction = 0.0
         self.routers = nn.ModuleDict({str(l): StaticRouter() for l in self.layers})
 
     def router(self, layer: int) -> nn.Module:

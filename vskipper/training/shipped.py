@@ -42,6 +42,8 @@ def write_skipper_dir(path, skipper, model_config, dtype: torch.dtype = torch.fl
                router_reduction_factor=skipper.hidden_size // skipper.router_dim,
                proj_reduction_factor=skipper.intermediate_size // skipper.proj_dim,
                skipper_dtype=str(dtype).removeprefix("torch."), **extra)
+    if skipper.expected_run_fraction is not None:
+        cfg.setdefault("expected_run_fraction", skipper.expected_run_fraction)
     save_tensors({k: v.to(dtype) for k, v in skipper.flexidepth_state_dict().items()}, path / SKIPPER_FILE)
     (path / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
     return path
