@@ -95,12 +95,26 @@ class SGLangSlot(nn.Module):
         return self.layers[self.key](hidden_states, positions=positions, forward_batch=forward_batch)
 
 
+_warned_padding = False
+
+
 def valid_rows(forward_batch, T: int, device) -> torch.Tensor:
     """[T] bool: the rows that are tokens. The CUDA-graph runner pads a batch up to a captured size
-    and says how many rows are real in `num_token_non_padded` (a device scalar: no host sync, and
-    read at every replay); eager batches may carry only the host count, or nothing (no padding)."""
+    and, where SGLang enables it, says how many rows are real in `num_token_non_padded` (a device
+    scalar: no host sync, and read at every replay); eager batches carry the host count. A graph
+    being captured without the device count cannot know its padding: then every row counts as a
+    token, with one warning (SGLang 0.5.23 enables the count for MoE/DP models only)."""
+    global _warned_padding
     n = getattr(forward_batch, "num_token_non_padded", None)
-    if n is None:
+    if n is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not _warned_padding:
+            _warned_padding = True
+            import logging
+
+            logging.getLogger("vskipper").warning(
+                "vskipper: SGLang keeps no device-side count of real tokens for this model "
+                "(num_token_non_padded), so rows a captured decode graph pads are routed and counted in stats")
+    elif n is None:
         n = getattr(forward_batch, "global_num_token_non_padded_cpu", None)
     rows = torch.arange(T, device=device)
     return rows < n if n is not None else torch.ones(T, dtype=torch.bool, device=device)
