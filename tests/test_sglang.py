@@ -2,6 +2,8 @@
 Greedy tokens must equal the eager reference (full recompute, no cache)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -36,15 +38,37 @@ def check_against_reference(eng, base, skipper):
         assert out == ref[len(p):].tolist(), f"prompt of {len(p)} tokens: sglang {out} != reference {ref[len(p):].tolist()}"
 
 
-@pytest.mark.parametrize("family, execution", [("llama", "routed"), ("qwen3", "dense"), ("qwen3", "routed")])
-def test_skip_aware_checkpoint(tmp_path, family, execution):
+def calibrated_cache(tmp_path, base) -> dict:
+    """A VSKIPPER_CACHE with a synthetic calibration for this CPU at every thread count (the
+    scheduler process may run another count than the test), so that auto uses both bodies."""
+    from vskipper import cost
+
+    from tiny import synthetic_calibration
+
+    root = tmp_path / "cache"
+    c = base.config
+    for n in range(1, (os.cpu_count() or 1) + 1):
+        torch.set_num_threads(n)
+        cost.save(synthetic_calibration(c.hidden_size, c.intermediate_size), root / "cost")
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    return {"VSKIPPER_CACHE": str(root)}
+
+
+@pytest.mark.parametrize("family, execution", [("llama", "routed"), ("llama", "auto"), ("qwen3", "dense"),
+                                               ("qwen3", "routed")])
+def test_skip_aware_checkpoint(tmp_path, capfd, family, execution):
     base = tiny_llama() if family == "llama" else tiny_qwen3()
     sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft" if family == "llama" else "hard")
     # as FlexiDepth publishes it: its own model_type and an auto_map to remote code (never run)
     path = save_checkpoint(tmp_path / "ckpt", base, sk, model_type="dd" + family,
                            auto_map={"AutoModelForCausalLM": "modeling_dd.DDForCausalLM"})
-    with engine(path, VSKIPPER_EXECUTION=execution) as eng:
+    env = calibrated_cache(tmp_path, base) if execution == "auto" else {}
+    with engine(path, log_level="info" if env else "warning", VSKIPPER_EXECUTION=execution, **env) as eng:
         check_against_reference(eng, base, sk)
+    if env:  # auto ran with the calibration (both bodies), not dense for want of one
+        err = capfd.readouterr().err
+        assert "layers 1: auto" in err or "auto: dense-masked or routed" in err, err[-3000:]
+        assert "calibration 'cpu: " in err, err[-3000:]
 
 
 def test_stock_model_with_random_skip_through_the_hook(tmp_path):
