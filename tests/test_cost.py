@@ -168,3 +168,12 @@ def test_explain_shows_auto_s_graph_plan():
     m = transformed(tiny_llama(), vskipper.RandomSkip(0.75, [2]), "auto")
     assert "auto inside captured CUDA graphs, body per batch size at RUN fraction 0.25 (declared by the skipper): " \
            "1:dense 2:dense 4:routed" in vskipper.explain(m)
+
+
+def test_auto_with_the_fixed_shape_body_passes_the_host_sync_guard():
+    """auto's choice is host-side logic outside the guard; the body it picks runs under it."""
+    cost.save(synthetic())
+    m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 2]), "auto", static_shapes=True, check_sync=True)
+    ids, mask = left_pad(prompts((5, 9, 3, 7)))
+    out = greedy(m, ids, mask, 6)
+    assert out.shape[1] == ids.shape[1] + 6

@@ -38,6 +38,10 @@ class Body:
     def __call__(self, layer: "RoutedLayer", h, x, g, run, valid, maps, ctx):
         raise NotImplementedError
 
+    def select(self, layer: "RoutedLayer", h, x, maps, ctx) -> "Body":
+        """The body that runs this step: itself (AutoBody: the one its chooser picks, on the host)."""
+        return self
+
     def describe(self) -> str:
         return self.name
 
@@ -113,12 +117,15 @@ class AutoBody(Body):
         self.dense, self.routed, self.chooser = dense, routed, chooser
         self.maps_impl = routed.maps_impl
 
-    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+    def select(self, layer, h, x, maps, ctx) -> Body:
         pick = self.chooser.choose(h.numel() // h.shape[-1], maps[2], layer.attention.is_decode(x, ctx))
-        return (self.routed if pick == "routed" else self.dense)(layer, h, x, g, run, valid, maps, ctx)
+        return self.routed if pick == "routed" else self.dense
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        return self.select(layer, h, x, maps, ctx)(layer, h, x, g, run, valid, maps, ctx)
 
     def describe(self) -> str:
-        return f"auto: {self.dense.describe()} or {self.routed.describe()}, per step by the cost model"
+        return f"auto: {self.dense.describe()} or {self.routed.describe()}, chosen per step on the host by the cost model"
 
 
 def make_body(config: Config, device: torch.device, calibration: cost.Calibration | None,
@@ -161,10 +168,11 @@ class RoutedLayer(nn.Module):
 
     def forward(self, h, x, g, run, valid, maps, **ctx):
         # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) or None (dense)
-        if self.check_sync and self.attention.is_decode(x, ctx):
+        body = self.body.select(self, h, x, maps, ctx)  # auto's host-side choice: outside the guard,
+        if self.check_sync and self.attention.is_decode(x, ctx):  # which checks what a graph captures
             with NoHostSync(f"routed layer {self.index}"):
-                return self.body(self, h, x, g, run, valid, maps, ctx)
-        return self.body(self, h, x, g, run, valid, maps, ctx)
+                return body(self, h, x, g, run, valid, maps, ctx)
+        return body(self, h, x, g, run, valid, maps, ctx)
 
     def extra_repr(self) -> str:
         return f"index={self.index}, body={self.body.describe()!r}, soft={self.soft}"
