@@ -81,7 +81,7 @@ run() {
 # --- env: what this check needs, or a clear message and exit 2 ----------------------------------
 if ! command -v "$PY" > /dev/null; then echo "gpu_check.sh: no python at '$PY' (set PYTHON=...)" >&2; exit 2; fi
 "$PY" - "$SMOKE" <<'EOF' || exit 2
-import importlib, sys
+import importlib.util, sys
 missing = [m for m in ("torch", "triton", "transformers", "safetensors", "hypothesis", "pytest", "numpy")
            if importlib.util.find_spec(m) is None]
 if missing:
