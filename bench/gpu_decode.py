@@ -111,7 +111,7 @@ def measure_cell(args, G, systems, kv, B: int, C: int, rng: random.Random) -> di
     caps, out = {}, {}
     for name, model in systems.items():
         try:
-            step = G.Step(model, kv, B, C)
+            step = G.Step(model, kv, B, C, full=True)
             step.ids.copy_(ids)
             step.positions.fill_(C - 1)
             # auto on CPU reads its counts on the host by design: no guard for it in the smoke stand-in

@@ -71,7 +71,7 @@ def build_llama(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
                       num_key_value_heads=shape.kv_heads, max_position_embeddings=8192,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                       pad_token_id=None)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = register_bench_attention()
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype).to_empty(device=device).eval()  # allocated once, in dtype
@@ -86,6 +86,27 @@ def build_llama(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
     model.model.rotary_emb = type(rot)(cfg).to(device)
     model.generation_config.eos_token_id = None
     return model
+
+
+def bench_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, except for a FULL mask (Step(full=True): every cached position
+    attended): then no mask and grouped-query heads left to SDPA (enable_gqa), so that its fused
+    kernels run instead of a masked kernel over K/V repeated per query head (transformers repeats
+    them whenever a mask is given). The same for the base model and every transformed one."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not getattr(attention_mask, "vskipper_full", False):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    o = torch.nn.functional.scaled_dot_product_attention(  # q [B, nh, 1, d], k/v [B, kvh, C, d]
+        query, key, value, scale=kwargs.get("scaling"), enable_gqa=query.shape[1] != key.shape[1])
+    return o.transpose(1, 2).contiguous(), None  # [B, 1, nh, d]
+
+
+def register_bench_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("vskipper_bench", bench_attention)
+    return "vskipper_bench"
 
 
 def sharing_copy(model):
@@ -170,18 +191,27 @@ class Step:
     causal mask [B, 1, S, C] is computed on the device from the positions (a 4D mask goes through
     transformers' mask creation unchanged), so the whole step is device work: capturable."""
 
-    def __init__(self, model, kv: PoolKV, B: int, C: int, S: int = 1) -> None:
+    def __init__(self, model, kv: PoolKV, B: int, C: int, S: int = 1, full: bool = False) -> None:
+        """full: every one of the C cached positions is attended (a decode step at position C - 1):
+        the mask is then FULL, which the bench attention (below) reads as no mask at all."""
         dev = kv.flat[0][0].device
         self.model, self.B, self.C = model, B, C
         self.ids = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.positions = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.kv = kv
         self.cols = torch.arange(C, device=dev)
+        self.full = None
+        if full:
+            if S != 1:
+                raise ValueError("Step(full=True) is a decode step: S must be 1")
+            self.full = torch.ones(B, 1, 1, C, dtype=torch.bool, device=dev)
+            self.full.vskipper_full = True
 
     @torch.no_grad()
     def __call__(self) -> torch.Tensor:
         self.kv.view(self.B, self.C, self.positions)
-        mask = self.cols[None, None, None, :] <= self.positions[:, None, :, None]  # [B, 1, S, C]
+        mask = self.full if self.full is not None else \
+            self.cols[None, None, None, :] <= self.positions[:, None, :, None]  # [B, 1, S, C]
         out = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask=mask,
                          past_key_values=self.kv, use_cache=True)
         return out.logits

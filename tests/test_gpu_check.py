@@ -77,3 +77,33 @@ def test_ideal_model():
     assert D.ideal_speedups(s, 64, 4096, m, 0.5)[0] > D.ideal_speedups(s, 64, 1024, m, 0.5)[0]  # KV reads saved
     base_ms = D.step_time(s, 1, 1024, m) * 1e3
     assert 3.0 < base_ms < 3.6  # about 16 GB of bf16 weights at 4.8 TB/s
+
+
+def test_full_mask_step_takes_the_unmasked_attention_and_matches(monkeypatch):
+    """bench/gpu_decode.py times Step(full=True): SDPA without a mask (GQA left to SDPA); it must
+    compute what the masked step computes, for the base model and a transformed one."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_harness as G
+
+    import vskipper
+
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k.get("attn_mask")) or real(*a, **k))
+    shape = G.TINY
+    base = G.build_llama(shape, torch.device("cpu"), torch.float32, std=0.15)
+    kv = G.PoolKV(shape, 3 * 8, torch.device("cpu"), torch.float32)
+    routed = G.transformed(base, vskipper.RandomSkip(0.5, shape.routed), "routed")
+    for model in (base, routed):
+        kv.view(3, 8, None)
+        kv.randomize(seed=1)
+        out = {}
+        for full in (False, True):
+            step = G.Step(model, kv, 3, 8, full=full)
+            step.ids.copy_(torch.tensor([[5], [7], [9]]))
+            step.positions.fill_(7)
+            calls.clear()
+            out[full] = step()
+            assert len(calls) == shape.layers and all((m is None) == full for m in calls)
+        torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=2e-4)
