@@ -188,7 +188,11 @@ def main(args) -> int:
             rows.append(((B, C), f"skipped: KV {B * C * per_token / 1e9:.0f} GB > --max-kv-tokens"))
             continue
         r = measure_cell(args, G, systems, kv, B, C, rng)
-        ok &= all(not isinstance(v, str) for v in r.values())
+        failed = [n for n, v in r.items() if isinstance(v, str)]
+        ok &= not failed
+        for n in failed:  # a capture that failed once is not retried (nor allowed to disturb the others)
+            systems.pop(n, None)
+            print(f"  {n}: dropped from the remaining cells after: {r[n]}", file=sys.stderr, flush=True)
         rows.append(((B, C), r))
         print(f"  B={B} C={C}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in r.items()), file=sys.stderr, flush=True)
