@@ -103,7 +103,7 @@ if [ "$SMOKE" -eq 1 ]; then
     DEVICE=cpu
     TUNE="--max-candidates 2"
     OPS_K="opcheck or zero_rows or cuda_graph"
-    PROPS_K="route_maps"
+    PROPS_K="route_maps_kernel and not multi_block"
 else
     SM=
     SHAPE=4096,14336,32,8
@@ -117,7 +117,7 @@ T=$OUT/tables
 run model 110 "$PY" bench/gpu_model_check.py $SM --out "$T/model.md"
 if [ "$SMOKE" -eq 1 ]; then  # the CLI's flags checked, then its measurement on a 2 x 3 grid (the full one: 80 s here)
     CALIBRATE="'$PY' -m vskipper.cli calibrate --help > /dev/null && '$PY' -c 'from vskipper import calibrate, cost
-cal, _ = calibrate.measure($SHAPE, device=\"cpu\", ts=(1, 4), fs=(0.0, 0.5, 1.0), repeats=1, passes=1, progress=False)
+cal, _ = calibrate.measure($SHAPE, device=\"cpu\", ts=(4, 16), fs=(0.0, 0.5, 1.0), repeats=1, passes=1, progress=False)
 print(\"calibration cached in\", cost.save(cal))'"
 else
     CALIBRATE="'$PY' -m vskipper.cli calibrate --shape $SHAPE --device $DEVICE --repeats 2 --passes 1"
