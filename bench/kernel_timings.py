@@ -5,6 +5,7 @@ torch/cuBLAS on exactly the gathered rows, side by side in one run. Prints one m
     python bench/kernel_timings.py --out kernels.md      # also write the table to a file
     python bench/kernel_timings.py --tune DIR            # sweep kernel configs per token bucket, write DIR/<gpu>.json
     python bench/kernel_timings.py --smoke               # tiny shapes on CPU (Triton interpreter): checks the script runs
+    python bench/kernel_timings.py --smoke --tune DIR    # the sweep too, a few candidates (the table is not used on CPU)
 
 Legend: T = rows in the batch (the captured capacity), n = rows that RUN (the device-side count),
 H = hidden, I = MLP width. Times are microseconds per call, the median of 7 replays of a CUDA graph
@@ -54,6 +55,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ops", nargs="+", default=["route_maps", "grouped_swiglu_", "masked_decode_attention"])
     p.add_argument("--out", type=Path, help="also write the markdown table here")
     p.add_argument("--tune", type=Path, metavar="DIR", help="sweep configs and write a stamped table into DIR")
+    p.add_argument("--max-candidates", type=int, default=0,
+                   help="with --tune: at most this many candidates per sweep stage, evenly spaced, besides the "
+                        "defaults (0: all)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     a = p.parse_args()
     if a.smoke:
@@ -227,10 +231,20 @@ def sweeps(op: str, bucket: int, best: dict) -> list[list[dict]]:
     return []
 
 
+def thin(cands: list[dict], n: int) -> list[dict]:
+    """At most n of cands, evenly spaced (0: all), after the defaults (the empty override): a sweep
+    cut short to fit a time box still never keeps a config slower than the defaults."""
+    if n > 0 and len(cands) > n:
+        step = len(cands) / n
+        cands = [cands[int(i * step)] for i in range(n)]
+    return [{}] + cands
+
+
 def tune(directory: Path) -> None:
     """Per op and token bucket, time each candidate in a CUDA graph and keep the fastest; write a
-    table stamped with this GPU and these versions."""
-    gpu = torch.cuda.get_device_name()
+    table stamped with this GPU and these versions, after every op and bucket (a sweep stopped by a
+    time limit leaves what it found)."""
+    gpu = torch.cuda.get_device_name() if CUDA else "CPU (Triton interpreter)"
     found: dict[str, dict[str, dict]] = {}
     real_lookup = kernel_configs.lookup
     for op, T in itertools.product(ARGS.ops, ARGS.tokens):
@@ -239,7 +253,7 @@ def tune(directory: Path) -> None:
         best: dict = {}
         for stage in range(len(sweeps(op, b, best))):
             winner = (float("inf"), None)
-            for cand in sweeps(op, b, best)[stage]:
+            for cand in thin(sweeps(op, b, best)[stage], ARGS.max_candidates):
                 over = {**best, **cand}
                 kernel_configs.lookup = lambda o, t, d, default, _o=over: {**default(kernel_configs.bucket(t)), **_o}
                 try:
@@ -252,17 +266,17 @@ def tune(directory: Path) -> None:
                 winner = min(winner, (t_us, over), key=lambda w: w[0])
             if winner[1] is not None:
                 best = winner[1]
-                print(f"{op} T={T} stage {stage}: {best} {winner[0]:.1f} us", file=sys.stderr, flush=True)
+                print(f"{op} T={T} stage {stage}: {best or 'defaults'} {winner[0]:.1f} us", file=sys.stderr, flush=True)
         if best:
             found.setdefault(op, {})[str(b)] = best
-    path = kernel_configs.save(found, gpu, directory)
+        path = kernel_configs.save(found, gpu, directory)
     print(f"wrote {path}", file=sys.stderr)
 
 
 def main() -> None:
     if ARGS.tune:
-        if not CUDA:
-            raise SystemExit("--tune needs a CUDA device")
+        if not CUDA and not ARGS.smoke:
+            raise SystemExit("--tune needs a CUDA device (or --smoke: the sweep under the Triton interpreter)")
         tune(ARGS.tune)
         return
     results = []

@@ -1,0 +1,215 @@
+"""Decode tokens/s of the base model and of vskipper's bodies, every one captured in a CUDA graph,
+side by side in one run, beside what a bytes/FLOPs model says skipping can save at best.
+
+    python bench/gpu_decode.py                        # Llama-3-8B shape, random bf16 weights, on CUDA
+    python bench/gpu_decode.py --batches 1 16 --contexts 1024
+    python bench/gpu_decode.py --smoke                # tiny shapes on CPU: checks the script runs
+
+Systems (one set of weights, shared): the base model; RandomSkip(0.5) over the routed layers
+(16-31 of 32) transformed with Config(execution="dense" | "routed" | "auto", static_shapes=True).
+"auto" uses the cost calibration of this device if one is cached (`vskipper calibrate`; the GPU
+check runs it first), else it is the dense body (said in the header). Per (batch B, context C): the
+KV cache holds C tokens per sequence (random values: the cost of a step does not depend on them),
+each system's decode step at position C - 1 is captured once, then `--rounds` rounds in random order
+each time `--iters` replays (CUDA events, median). tok/s = B / step time.
+
+The ideal (a model, not a measurement): per layer part, time = max(bytes / BW, FLOPs / peak), summed
+over the step. Weights stream if any row of the batch runs the part (for RandomSkip at rate s, with
+probability 1 - s^B); skipped rows save their KV reads and FLOPs. "ideal" skips q/o projections,
+attention and the MLP for skipped rows (K/V projected for every row); "ideal, MLP only" keeps
+attention for every row, which is what the transformers path runs (its attention part computes all
+rows; only the MLP and the adapter are grouped).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+SYSTEMS = ("base", "dense", "routed", "auto")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="8b", help="8b, tiny, or hidden,intermediate,heads,kv_heads,layers,vocab")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--max-kv-tokens", type=int, default=256 * 1024,
+                   help="largest B * C kept (8B shape: 128 KiB of KV per token, 34 GB at the default)")
+    p.add_argument("--rate", type=float, default=0.5, help="RandomSkip rate")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5, help="replays timed per round (median)")
+    p.add_argument("--bw", type=float, default=4.8e12, help="memory bandwidth of the ideal model, B/s (H200)")
+    p.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the ideal model (H200)")
+    p.add_argument("--out", type=Path, help="also write the table here")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks that the script runs")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.shape, a.batches, a.contexts, a.rounds, a.iters = "tiny", [1, 4], [16, 32], 1, 1
+    return a
+
+
+# --- the ideal: a bytes/FLOPs model of one decode step -----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    bw: float  # bytes/s
+    peak: float  # FLOP/s
+    elem: int = 2  # bytes per weight / KV element (bf16)
+
+
+def step_time(shape, B: int, C: int, m: Machine, rate: float = 0.0, skip_attention: bool = True) -> float:
+    """Modelled seconds of one decode step (B sequences, C cached tokens each) when each token skips
+    each routed layer with probability `rate`. Per part: max(bytes / bw, flops / peak), summed."""
+    H, I, nh, kvh, d, V = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim, shape.vocab
+    routed = set(shape.routed)
+    parts = []  # (bytes, flops)
+    for layer in range(shape.layers):
+        r = 1.0 - rate if layer in routed else 1.0  # RUN fraction of the rows
+        a = 1.0 - rate ** B if layer in routed else 1.0  # probability that any row runs: weights stream
+        ra, aa = (r, a) if skip_attention else (1.0, 1.0)
+        w_kv, w_qo, w_mlp = 2 * H * kvh * d, 2 * H * nh * d, 3 * H * I
+        parts.append((w_kv * m.elem, 2 * B * w_kv))  # K/V projections: every row, always
+        parts.append((aa * w_qo * m.elem, 2 * ra * B * w_qo))
+        parts.append((ra * B * C * 2 * kvh * d * m.elem, ra * B * 4 * C * nh * d))  # attention over the cache
+        parts.append((a * w_mlp * m.elem, 2 * r * B * w_mlp))
+    parts.append((V * H * m.elem, 2 * B * V * H))  # lm_head
+    return sum(max(b / m.bw, f / m.peak) for b, f in parts)
+
+
+def ideal_speedups(shape, B: int, C: int, m: Machine, rate: float) -> tuple[float, float]:
+    """(ideal, ideal with attention for every row): base step time over the skipping step's."""
+    base = step_time(shape, B, C, m)
+    return base / step_time(shape, B, C, m, rate), base / step_time(shape, B, C, m, rate, skip_attention=False)
+
+
+# --- the measurement ---------------------------------------------------------------------------
+def build_systems(args, G, base, shape):
+    import vskipper
+
+    systems = {"base": base}
+    for name in args.systems:
+        if name != "base":
+            systems[name] = G.transformed(base, vskipper.RandomSkip(args.rate, shape.routed, seed=0), name)
+    return {n: systems[n] for n in args.systems}
+
+
+def measure_cell(args, G, systems, kv, B: int, C: int, rng: random.Random) -> dict[str, float | str]:
+    """{system: ms per decode step} (or an error string) at batch B, context C."""
+    import torch
+
+    import vskipper
+
+    kv.view(B, C, None)
+    kv.randomize(seed=B * 7 + C)
+    ids = torch.randint(0, kv.shape.vocab, (B, 1), generator=torch.Generator().manual_seed(B + C))
+    caps, out = {}, {}
+    for name, model in systems.items():
+        try:
+            step = G.Step(model, kv, B, C, full=True)
+            step.ids.copy_(ids)
+            step.positions.fill_(C - 1)
+            # auto on CPU reads its counts on the host by design: no guard for it in the smoke stand-in
+            caps[name] = G.Captured(step, guard=name != "auto")
+        except Exception as e:
+            traceback.print_exc()
+            out[name] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    if "routed" in systems:
+        vskipper.stats(systems["routed"], reset=True)
+    times = {n: [] for n in caps}
+    order = list(caps)
+    for _ in range(args.rounds):
+        rng.shuffle(order)
+        for n in order:
+            times[n].append(G.time_ms(caps[n].replay, args.iters, warmup=1))
+    for n, t in times.items():
+        out[n] = sorted(t)[len(t) // 2]
+        caps[n].close()
+    if "routed" in systems:
+        s = vskipper.stats(systems["routed"])
+        out["run_fraction"] = sum(v["run"] for v in s.values()) / max(1, sum(v["tokens"] for v in s.values()))
+    return out
+
+
+def table(args, G, shape, rows, header) -> str:
+    m = Machine(args.bw, args.peak)
+    names = [n for n in args.systems]
+    others = [n for n in names if n != "base"]
+    head = ("| B | context | " + " | ".join(f"{n} tok/s" for n in names) + " | "
+            + " | ".join(f"{n} / base" for n in others) + " | ideal | ideal, MLP only | RUN fraction | "
+            "base: model ms / measured ms |")
+    lines = [header, "", head, "|" + "---|" * (head.count("|") - 1)]
+    for (B, C), r in rows:
+        if isinstance(r, str):
+            lines.append(f"| {B} | {C} | {r} |")
+            continue
+        tok = {n: (f"{B / r[n] * 1e3:.0f}" if isinstance(r.get(n), float) else r.get(n, "-")) for n in names}
+        ratio = {n: (f"{r['base'] / r[n]:.3f}" if isinstance(r.get(n), float) and isinstance(r.get("base"), float)
+                     else "-") for n in others}
+        ideal, ideal_mlp = ideal_speedups(shape, B, C, m, args.rate)
+        model_ms = step_time(shape, B, C, m) * 1e3
+        base_eff = f"{model_ms:.3g} / {r['base']:.3g}" if isinstance(r.get("base"), float) else "-"
+        frac = f"{r['run_fraction']:.2f}" if "run_fraction" in r else "-"
+        lines.append(f"| {B} | {C} | " + " | ".join(tok[n] for n in names) + " | "
+                     + " | ".join(ratio[n] for n in others) + f" | {ideal:.3f} | {ideal_mlp:.3f} | {frac} | {base_eff} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    if args.smoke:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    import gpu_harness as G
+
+    if not G.cuda() and not args.smoke:
+        print("gpu_decode: no CUDA device; this benchmark needs a GPU (or --smoke: tiny shapes on CPU)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if G.cuda() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = G.parse_shape(args.shape)
+    base = G.build_llama(shape, device, dtype)
+    systems = build_systems(args, G, base, shape)
+    cells = [(B, C) for C in args.contexts for B in args.batches]
+    fits = [c for c in cells if c[0] * c[1] <= args.max_kv_tokens]
+    kv = G.PoolKV(shape, max(B * C for B, C in fits), device, dtype)
+    rng = random.Random(0)
+    rows, ok = [], True
+    per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize
+    for B, C in cells:
+        if (B, C) not in fits:
+            rows.append(((B, C), f"skipped: KV {B * C * per_token / 1e9:.0f} GB > --max-kv-tokens"))
+            continue
+        r = measure_cell(args, G, systems, kv, B, C, rng)
+        failed = [n for n, v in r.items() if isinstance(v, str)]
+        ok &= not failed
+        for n in failed:  # a capture that failed once is not retried (nor allowed to disturb the others)
+            systems.pop(n, None)
+            print(f"  {n}: dropped from the remaining cells after: {r[n]}", file=sys.stderr, flush=True)
+        rows.append(((B, C), r))
+        print(f"  B={B} C={C}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in r.items()), file=sys.stderr, flush=True)
+    auto = systems.get("auto")
+    why = auto.vskipper.explain().splitlines()[-1].strip() if auto is not None else "-"
+    header = (f"Decode, every system captured in a CUDA graph ({'replayed' if G.cuda() else 'CPU: eager stand-in'}); "
+              f"{G.device_line()}\n{shape}, {dtype}, RandomSkip({args.rate}) over layers {shape.routed[0]}-"
+              f"{shape.routed[-1]}, median of {args.rounds} rounds x {args.iters} replays.\nauto: {why}\n"
+              f"Ideal model: bandwidth {args.bw / 1e12:.1f} TB/s, peak {args.peak / 1e12:.0f} TFLOP/s, per-part roofline "
+              f"(docstring of bench/gpu_decode.py); speed-ups over base (> 1 is faster).")
+    text = table(args, G, shape, rows, header) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(parse()))
