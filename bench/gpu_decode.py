@@ -197,7 +197,7 @@ def main(args) -> int:
         print(f"  B={B} C={C}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in r.items()), file=sys.stderr, flush=True)
     auto = systems.get("auto")
-    why = auto.vskipper.explain().splitlines()[-1].strip() if auto is not None else "-"
+    why = "; ".join(l.strip() for l in auto.vskipper.explain().splitlines()[2:]) if auto is not None else "-"
     header = (f"Decode, every system captured in a CUDA graph ({'replayed' if G.cuda() else 'CPU: eager stand-in'}); "
               f"{G.device_line()}\n{shape}, {dtype}, RandomSkip({args.rate}) over layers {shape.routed[0]}-"
               f"{shape.routed[-1]}, median of {args.rounds} rounds x {args.iters} replays.\nauto: {why}\n"
