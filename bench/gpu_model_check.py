@@ -75,16 +75,23 @@ def prefill(model, kv, ids: torch.Tensor, C: int) -> torch.Tensor:
     return pre()[:, -1].argmax(-1, keepdim=True)
 
 
-def check_replays(model, kv, ids: torch.Tensor, steps: int, impl_dtype) -> dict:
-    """Prefill ids [B, P], capture one decode step, replay it `steps` times on its own greedy tokens;
-    each replay against the eager step on the same inputs."""
+def start_decode(model, kv, ids: torch.Tensor, steps: int):
+    """Prefill ids [B, P] into a cache for `steps` more tokens; the first decode step's buffers
+    filled, captured. -> (first greedy token [B], step, captured step)."""
     B, P = ids.shape
     C = P + steps + 1
     nxt = prefill(model, kv, ids, C)
     step = G.Step(model, kv, B, C)
     step.ids.copy_(nxt)
     step.positions.fill_(P)
-    cap = G.Captured(step)
+    return nxt, step, G.Captured(step)
+
+
+def check_replays(model, kv, ids: torch.Tensor, steps: int, impl_dtype) -> dict:
+    """Prefill ids [B, P], capture one decode step, replay it `steps` times on its own greedy tokens;
+    each replay against the eager step on the same inputs."""
+    P = ids.shape[1]
+    nxt, step, cap = start_decode(model, kv, ids, steps)
     worst, ok, agree, per_step = 0.0, True, 0, []
     for t in range(steps):
         step.ids.copy_(nxt)
@@ -166,12 +173,7 @@ def part_b(args, device) -> tuple[str, bool]:
         model = G.transformed(base, skipper, "routed", check_sync=True, impl=args.impl)
         ids = torch.randint(0, shape.vocab, (B, P), generator=gen).to(device)
         try:
-            C = P + S + 1
-            nxt = prefill(model, kv, ids, C)
-            step = G.Step(model, kv, B, C)
-            step.ids.copy_(nxt)
-            step.positions.fill_(P)
-            cap = G.Captured(step)
+            nxt, step, cap = start_decode(model, kv, ids, S)
             tokens = [nxt]
             for t in range(S - 1):
                 step.ids.copy_(tokens[-1])
