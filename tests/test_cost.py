@@ -119,11 +119,30 @@ def test_stale_calibration_is_ignored_with_a_warning():
         assert cost.load("cpu", 40, 72) is None
 
 
-def test_nearest_shape_is_used():
+def test_nearest_shape_is_used_and_said():
     cost.save(synthetic(40, 72))
     cost.save(synthetic(576, 1536))
-    assert cost.load("cpu", 512, 1400).hidden == 576
-    assert cost.load("cpu", 48, 64).hidden == 40
+    with pytest.warns(UserWarning, match=r"no cost calibration for hidden=512, intermediate=1400 .*nearest shape, "
+                                         r"576x1536.*vskipper calibrate --shape 512,1400"):
+        assert cost.load("cpu", 512, 1400).hidden == 576
+    with pytest.warns(UserWarning, match="nearest shape, 40x72"):
+        assert cost.load("cpu", 48, 64).hidden == 40
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cost.load("cpu", 40, 72).hidden == 40  # the exact shape: nothing to say
+
+
+def test_a_calibration_at_another_thread_count_is_named_in_the_warning():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        cost.save(synthetic())
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.warns(UserWarning, match=rf"calibrations of this CPU at other thread counts: .*{threads + 1} threads.*"
+                                         rf"--shape 40,72 --threads {threads}"):
+        m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1]), "auto")
+    assert {b.name for b in m.vskipper.bodies.values()} == {"dense"}
 
 
 def test_a_slow_spell_in_one_pass_does_not_move_the_calibration(monkeypatch):
@@ -177,3 +196,19 @@ def test_auto_with_the_fixed_shape_body_passes_the_host_sync_guard():
     ids, mask = left_pad(prompts((5, 9, 3, 7)))
     out = greedy(m, ids, mask, 6)
     assert out.shape[1] == ids.shape[1] + 6
+
+
+def test_calibrate_threads_flag(monkeypatch, capsys):
+    from vskipper import calibrate
+
+    seen = []
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: (seen.append(cost.device_name("cpu")) or synthetic(), None))
+    threads = torch.get_num_threads()
+    try:
+        calibrate.main(["--shape", "40,72", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and seen[0].endswith(", 1 threads")
+    with pytest.raises(SystemExit):
+        calibrate.main(["--shape", "40,72", "--threads", "0"])
+    assert "--threads 0: expected an integer >= 1" in capsys.readouterr().err

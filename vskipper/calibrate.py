@@ -180,8 +180,14 @@ def main(argv=None) -> None:
     g.add_argument("--shape", help="hidden,intermediate[,heads,kv_heads]")
     ap.add_argument("--repeats", type=int, default=6, help="rounds per cell at T >= 32 (more below), over all passes")
     ap.add_argument("--passes", type=int, default=3, help="sweeps of the grid; a cell's ratio is their median")
+    ap.add_argument("--threads", type=int, help="torch threads to measure with (a calibration is kept per thread count; "
+                                                "default: this process's, %d)" % torch.get_num_threads())
     ap.add_argument("--export", help="also write the calibration to this directory (to ship it)")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads {args.threads}: expected an integer >= 1")
+        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         ap.error(f"--device {device!r}: expected cpu or cuda")

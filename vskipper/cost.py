@@ -179,7 +179,27 @@ def load(device: torch.device | str, hidden: int, intermediate: int) -> Calibrat
             break
     if not found:
         return None
-    return min(found, key=lambda c: abs(math.log(c.hidden * c.intermediate / (hidden * intermediate))))
+    best = min(found, key=lambda c: abs(math.log(c.hidden * c.intermediate / (hidden * intermediate))))
+    if (best.hidden, best.intermediate) != (hidden, intermediate):
+        warnings.warn(f"vskipper: no cost calibration for hidden={hidden}, intermediate={intermediate} on {name!r}; "
+                      f"using the nearest shape, {best.hidden}x{best.intermediate}. For this shape: "
+                      f"`vskipper calibrate --shape {hidden},{intermediate}`", stacklevel=2)
+    return best
+
+
+def _other_thread_counts(name: str) -> list[str]:
+    """Devices in the cache that are this CPU at another torch thread count."""
+    head, sep, _ = name.rpartition(", ")
+    if not name.startswith("cpu: ") or not sep:
+        return []
+    out = []
+    for directory in (cache_dir(), SHIPPED_DIR):
+        for path in directory.glob(_file_name(head + ", ").removesuffix(".json") + "*.json"):
+            try:
+                out += [e["device"] for e in json.loads(path.read_text()) if e["device"] != name]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return sorted(set(out))
 
 
 class Chooser:
@@ -260,6 +280,9 @@ def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int) -> N
     if name in _warned:
         return
     _warned.add(name)
-    warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}); "
+    others = _other_thread_counts(name)
+    threads = f" --threads {torch.get_num_threads()}" if others else ""
+    also = f" (there are calibrations of this CPU at other thread counts: {others})" if others else ""
+    warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}){also}; "
                   f"execution='auto' runs the dense-masked body. Measure this device with "
-                  f"`vskipper calibrate --shape {hidden},{intermediate}` (or --model PATH).", stacklevel=3)
+                  f"`vskipper calibrate --shape {hidden},{intermediate}{threads}` (or --model PATH).", stacklevel=3)
