@@ -12,15 +12,16 @@ ENGINE_ARGS = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_
 
 
 @contextlib.contextmanager
-def engine(model_path, log_level="warning", **env):
-    """An sgl.Engine with SGLANG_PLATFORM=vskipper_cpu and the given VSKIPPER_* variables."""
+def engine(model_path, log_level="warning", engine_args=None, **env):
+    """An sgl.Engine with SGLANG_PLATFORM=vskipper_cpu, the given environment variables (VSKIPPER_*)
+    and engine arguments (e.g. tp_size) over ENGINE_ARGS."""
     sgl = pytest.importorskip("sglang")
     env = {"SGLANG_PLATFORM": "vskipper_cpu", **env}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     eng = None
     try:
-        eng = sgl.Engine(model_path=str(model_path), **{**ENGINE_ARGS, "log_level": log_level})
+        eng = sgl.Engine(model_path=str(model_path), **{**ENGINE_ARGS, "log_level": log_level, **(engine_args or {})})
         yield eng
     finally:
         if eng is not None:

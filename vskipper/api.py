@@ -97,8 +97,9 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
         state.bodies[i], state.reasons[i] = make_body(config, device, calibration, skipper.expected_run_fraction)
+        mlp = family.make_mlp(layer) if family.make_mlp is not None else getattr(layer, family.mlp)
         return RoutedLayer(i, family.make_attention(layer), getattr(layer, family.post_norm),
-                           getattr(layer, family.mlp), skipper.adapter(i), skipper.gate, state.bodies[i],
+                           mlp, skipper.adapter(i), skipper.gate, state.bodies[i],
                            mlp_weights=family.mlp_weights, check_sync=config.check_sync)
 
     transformed = []

@@ -95,11 +95,19 @@ class FixedRoutedBody(Body):
         H = h.shape[-1]
         hf = h.reshape(-1, H)  # [T, H]
         gf = g.reshape(-1).to(h.dtype)  # [T]
-        a = layer.attention.masked_rows(x, (run & valid).reshape(-1), ctx, self.impl).reshape(-1, H)  # [T, H]
+        ran = (run & valid).reshape(-1)  # [T]
+        a = layer.attention.masked_rows(x, ran, ctx, self.impl).reshape(-1, H)  # [T, H]
         h1 = hf + a
-        out = hf.clone()
-        ops.grouped_swiglu_(out, h1, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(),
-                            gf if layer.soft else None, impl=self.impl)  # run_value
+        rank_sum = getattr(layer.mlp, "rank_sum", None)
+        if rank_sum is None:
+            out = hf.clone()
+            ops.grouped_swiglu_(out, h1, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(),
+                                gf if layer.soft else None, impl=self.impl)  # run_value
+        else:  # tensor parallel: this rank's MLP shard gives a partial sum; complete it, then add the residual
+            acc = torch.zeros_like(hf)
+            ops.grouped_swiglu_(acc, acc, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(),
+                                gf if layer.soft else None, impl=self.impl)
+            out = torch.where(ran.unsqueeze(-1), h1 + rank_sum(acc), hf)
         if layer.adapter is not None:
             ops.grouped_swiglu_(out, hf, layer.post_norm(hf), project_rows, counts[1:2],
                                 *layer.adapter.swiglu_weights(), 1 - gf if layer.soft else None,

@@ -24,7 +24,9 @@ class ModelFamily:
         routed layer (SGLang: only routed layers change).
     install(model, [(stack, graph module)]) -> put the transformed stacks in the model's path.
     make_attention(layer) -> the attention part of a routed layer (all_rows / some_rows / masked_rows).
-    mlp_weights(mlp) -> (w_gate, w_up, w_down) of a decoder layer's SwiGLU MLP (fixed-shape body).
+    mlp_weights(mlp) -> (w_gate, w_up, w_down) of a routed layer's SwiGLU MLP (fixed-shape body).
+    make_mlp(layer) -> the MLP part of a routed layer (default: the layer's own `mlp`); one with a
+        `rank_sum` attribute leaves its output's sum over tensor-parallel ranks to be completed.
     """
 
     name: str
@@ -34,6 +36,7 @@ class ModelFamily:
     install: object
     make_attention: object
     mlp_weights: object = None
+    make_mlp: object = None
     input_norm: str = "input_layernorm"
     post_norm: str = "post_attention_layernorm"
     mlp: str = "mlp"

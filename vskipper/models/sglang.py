@@ -9,14 +9,49 @@ self_attn, post_attention_layernorm, mlp). At its entry `residual_batch.fold` co
 hidden state (h = residual + the previous layer's output); at its exit `residual_batch.set_written`
 hands the routed layer's output on as a complete value, which the next layer's boundary reads as
 it reads an embedding. Auxiliary hidden-state capture (EAGLE3) receives the complete input, as
-SGLang's boundary gives it. Tensor and pipeline parallelism are not supported yet (transform
-raises, naming them). Shapes: T = tokens of all requests flattened, H = hidden."""
+SGLang's boundary gives it. Under tensor parallelism the routed layer completes its own sums over
+the ranks (`_rank_sum`) where SGLang's boundaries would; pipeline parallelism is refused, naming
+--pp-size. Shapes: T = tokens of all requests flattened, H = hidden."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from vskipper.models import register_families
+
+
+def _tp_size() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().tp_size
+
+
+def _rank_sum(t: torch.Tensor) -> torch.Tensor:
+    """Complete a row-parallel linear's sum over the tensor-parallel ranks. SGLang's layers built for
+    layer boundaries leave that all-reduce to the boundary; a routed layer completes its own sums,
+    once per body and per set of rows computed (the same rows on every rank: route decisions read the
+    complete, replicated hidden state, and the skipper is replicated)."""
+    from sglang.srt.distributed.communication_op import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(t)
+
+
+def _needs_rank_sum(linear) -> bool:
+    return _tp_size() > 1 and not getattr(linear, "reduce_results", True)
+
+
+class SGLangMLP(nn.Module):
+    """An SGLang MLP seen by a routed layer: its output complete on every rank. `rank_sum` is set
+    under tensor parallelism (the fixed-shape body completes the sum itself after its grouped GEMM)."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.rank_sum = _rank_sum if _needs_rank_sum(mlp.down_proj) else None
+
+    def forward(self, y):
+        out = self.mlp(y)
+        return out if self.rank_sum is None else self.rank_sum(out)
 
 
 class SGLangAttention(nn.Module):
@@ -26,9 +61,15 @@ class SGLangAttention(nn.Module):
     def __init__(self, self_attn: nn.Module) -> None:
         super().__init__()
         self.self_attn = self_attn
+        self.reduce = _needs_rank_sum(self_attn.o_proj)
+
+    def _o_proj(self, o):
+        out, _ = self.self_attn.o_proj(o)
+        return _rank_sum(out) if self.reduce else out
 
     def all_rows(self, x, ctx):
-        return self.self_attn(ctx["positions"], x, ctx["forward_batch"])
+        out = self.self_attn(ctx["positions"], x, ctx["forward_batch"])
+        return _rank_sum(out) if self.reduce else out
 
     @staticmethod
     def is_decode(x, ctx) -> bool:
@@ -62,8 +103,7 @@ class SGLangAttention(nn.Module):
                                                 pool.get_value_buffer(layer.layer_id),
                                                 get_req_to_token_pool().req_to_token, fb.req_pool_indices,
                                                 fb.seq_lens, run, layer.scaling)  # [T, nh, d], zeros off `rows`
-        out, _ = self.self_attn.o_proj(o[rows].reshape(n, -1))
-        return out
+        return self._o_proj(o[rows].reshape(n, -1))
 
     def masked_rows(self, x, run, ctx, impl):
         """Attention output [T, H], meaningful for rows with `run` set; fixed shapes, no host sync."""
@@ -77,8 +117,7 @@ class SGLangAttention(nn.Module):
         o = ops.masked_decode_attention(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                                         get_req_to_token_pool().req_to_token, fb.req_pool_indices, fb.seq_lens,
                                         run, layer.scaling, impl=impl)
-        out, _ = self.self_attn.o_proj(o.reshape(q.shape[0], -1))
-        return out
+        return self._o_proj(o.reshape(q.shape[0], -1))
 
 
 class SGLangSlot(nn.Module):
@@ -151,10 +190,10 @@ def _check_parallel(model) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     p = get_parallel()
-    if p.tp_size != 1 or p.pp_group.world_size != 1:
+    if p.pp_group.world_size != 1:
         raise NotImplementedError(
-            f"vskipper supports SGLang with tp_size=1 and pp_size=1 (got tp={p.tp_size}, "
-            f"pp={p.pp_group.world_size})"
+            f"vskipper: pipeline parallelism (--pp-size {p.pp_group.world_size}) is not supported; "
+            f"tensor parallelism (--tp-size) and data parallelism (--dp-size) are"
         )
 
 
@@ -173,7 +212,9 @@ def install(model, stacks) -> None:
 
 
 def mlp_weights(mlp):
-    """(w_gate [I, H], w_up [I, H], w_down [H, I]) of an SGLang MLP (merged gate_up_proj)."""
+    """(w_gate [I, H], w_up [I, H], w_down [H, I]) of an SGLang MLP (merged gate_up_proj; under tensor
+    parallelism this rank's shards: I = intermediate / tp)."""
+    mlp = mlp.mlp  # SGLangMLP
     w = mlp.gate_up_proj.weight
     i = w.shape[0] // 2
     return w[:i], w[i:], mlp.down_proj.weight
@@ -181,4 +222,5 @@ def mlp_weights(mlp):
 
 register_families("sglang", {"LlamaForCausalLM": "sglang.srt.models.llama", "Qwen3ForCausalLM": "sglang.srt.models.qwen3"},
                   make_stacks=make_stacks, install=install,
-                  make_attention=lambda layer: SGLangAttention(layer.self_attn), mlp_weights=mlp_weights)
+                  make_attention=lambda layer: SGLangAttention(layer.self_attn), mlp_weights=mlp_weights,
+                  make_mlp=lambda layer: SGLangMLP(layer.mlp))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 import vskipper
 from vskipper.integrations.sglang.settings import Settings
 from vskipper.skippers import parse_skipper
@@ -38,6 +40,10 @@ def transform_loaded(runner) -> None:
     logger.info("%s", vskipper.explain(model))
     if settings.stats_interval:
         install_stats_logger(runner, settings.stats_interval)
+    if settings.route_digest:
+        from sglang.srt.runtime_context import get_parallel
+
+        install_route_digest(model, settings.route_digest, get_parallel().tp_rank)
 
 
 def format_stats(st: dict[int, dict[str, int]]) -> str:
@@ -111,3 +117,27 @@ class StatsReporter:
 
 def install_stats_logger(runner, interval: int) -> None:
     runner._vskipper_stats = StatsReporter(runner.model, interval)
+
+
+def install_route_digest(model, directory: str, rank: int) -> None:
+    """Append, for every call of a routed layer's route counter, `layer call digest` to
+    <directory>/tp<rank>-<pid>.txt: a hash of the layer's RUN decisions over the real rows. Ranks of
+    one tensor-parallel model must write the same lines. Reads the decisions on the host: a test
+    and debugging aid, not for captured graphs."""
+    import hashlib
+    from pathlib import Path
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    out = path / f"tp{rank}-{os.getpid()}.txt"
+    calls: dict[int, int] = {}
+
+    def hook(module, args, layer):
+        run, valid = args[0], args[1]
+        bits = (run & valid).reshape(-1).to(torch.uint8).cpu().numpy().tobytes()
+        calls[layer] = calls.get(layer, 0) + 1
+        with out.open("a") as f:
+            f.write(f"{layer} {calls[layer]} {hashlib.sha1(bits).hexdigest()[:16]}\n")
+
+    for key, counter in model.vskipper.counters.items():
+        counter.register_forward_pre_hook(lambda m, a, _l=int(key): hook(m, a, _l))

@@ -9,6 +9,8 @@ VSKIPPER_STATIC_SHAPES   auto | 0 | 1: graph-safe routed body (fixed shapes, dev
                          auto = on for CUDA, off on CPU              (default auto)
 VSKIPPER_STATS_INTERVAL  log per-layer skip statistics every N decode steps; 0 = never (default 0)
 VSKIPPER_CHECK_SYNC      1 = fail on any host sync inside routed layers during decode (a test guard)
+VSKIPPER_ROUTE_DIGEST    a directory: each rank appends a digest of every routed layer's decisions
+                         there (a debugging and test aid: it reads the decisions on the host)
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Settings:
     static_shapes: bool | None = None
     stats_interval: int = 0
     check_sync: bool = False
+    route_digest: str | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -51,6 +54,7 @@ class Settings:
             static_shapes=None if static == "auto" else static == "1",
             stats_interval=int(interval),
             check_sync=_choice("VSKIPPER_CHECK_SYNC", env.get("VSKIPPER_CHECK_SYNC", "0"), ("0", "1")) == "1",
+            route_digest=env.get("VSKIPPER_ROUTE_DIGEST") or None,
         )
 
     def config(self) -> Config:
@@ -64,4 +68,6 @@ class Settings:
                "VSKIPPER_CHECK_SYNC": "1" if self.check_sync else "0"}
         if self.skipper_spec:
             env["VSKIPPER_SKIPPER"] = self.skipper_spec
+        if self.route_digest:
+            env["VSKIPPER_ROUTE_DIGEST"] = self.route_digest
         return env

@@ -1,0 +1,50 @@
+"""vskipper under SGLang's parallel modes, on CPU: tensor parallelism (TP=2, gloo) and data
+parallelism (DP=2) serve the eager reference's greedy tokens, every rank routing alike."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vskipper.models.hf_loader import save_checkpoint
+
+from sglang_util import engine, greedy
+from test_sglang import NEW, check_against_reference, prompt_set
+from tiny import flexidepth_for, tiny_llama, tiny_qwen3
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) >= 2 else "0|0"}
+
+
+def checkpoint(tmp_path, family):
+    base = tiny_llama() if family == "llama" else tiny_qwen3()
+    sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft" if family == "llama" else "hard")
+    return save_checkpoint(tmp_path / "ckpt", base, sk), base, sk
+
+
+def digests(directory) -> dict[str, list[str]]:
+    return {p.name.split("-")[0]: p.read_text().splitlines() for p in sorted(directory.glob("tp*.txt"))}
+
+
+@pytest.mark.parametrize("family, execution", [("llama", "routed"), ("qwen3", "routed"), ("llama", "dense")])
+def test_tensor_parallel_2_serves_the_reference_and_ranks_route_alike(tmp_path, family, execution):
+    path, base, sk = checkpoint(tmp_path, family)
+    with engine(path, engine_args={"tp_size": 2}, VSKIPPER_EXECUTION=execution, VSKIPPER_ROUTE_DIGEST=str(tmp_path / "routes"),
+                **TWO_RANKS) as eng:
+        check_against_reference(eng, base, sk)
+    d = digests(tmp_path / "routes")
+    assert set(d) == {"tp0", "tp1"}, d.keys()
+    assert d["tp0"] and d["tp0"] == d["tp1"], "ranks made different route decisions"
+
+
+def test_tensor_parallel_2_fixed_shape_body(tmp_path):
+    path, base, sk = checkpoint(tmp_path, "llama")
+    with engine(path, engine_args={"tp_size": 2}, VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES="1", **TWO_RANKS) as eng:
+        check_against_reference(eng, base, sk)
+
+
+def test_data_parallel_2_serves_the_reference(tmp_path):
+    path, base, sk = checkpoint(tmp_path, "llama")
+    with engine(path, engine_args={"dp_size": 2}, VSKIPPER_EXECUTION="routed", **TWO_RANKS) as eng:
+        check_against_reference(eng, base, sk)
