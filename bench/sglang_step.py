@@ -158,33 +158,12 @@ def run(args, runner) -> None:
 
 def main(argv=None) -> None:
     args = parse(argv)
-    os.environ["SGLANG_PLATFORM"] = os.environ.get("SGLANG_PLATFORM") or (
-        "" if __import__("torch").cuda.is_available() else "vskipper_cpu")
     os.environ.pop("VSKIPPER_SKIPPER", None)  # the model loads as upstream's; systems are made here
-    from sglang.benchmark import one_batch
-    from sglang.srt.server_args import ServerArgs
-
+    from vskipper.bench.runner import with_model_runner
     from vskipper.models.smollm2 import smollm2_dir
 
-    path = args.model or str(smollm2_dir())
-    cpu = os.environ["SGLANG_PLATFORM"] == "vskipper_cpu"
-    server_args = ServerArgs(model_path=path, skip_tokenizer_init=False, log_level="error",
-                             max_total_tokens=max(4096, max(args.batch) * (args.input_len + 4 * args.rounds + 16)),
-                             **(dict(device="cpu", dtype="float32", attention_backend="torch_native",
-                                     disable_cuda_graph=True) if cpu else {}))
-    bench_args = one_batch.BenchArgs(batch_size=(max(args.batch),), input_len=(args.input_len,), output_len=(8,))
-
-    def work(server_args, port_args, bench_args, gpu_id, tp_rank):  # latency_test's set-up, then ours
-        one_batch.publish(server_args, role="scheduler",
-                          ranks=one_batch.SpawnRanks(world_rank=one_batch.spawn_world_rank(server_args, tp_rank=tp_rank,
-                                                                                          pp_rank=0), gpu_id=gpu_id))
-        one_batch._init_process_global_configs()
-        one_batch.configure_logger(server_args, prefix=f" TP{tp_rank}")
-        runner, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
-        run(args, runner)
-
-    one_batch.latency_test = work  # one_batch.main resolves the server args, then calls its work function
-    one_batch.main(server_args, bench_args)
+    with_model_runner(args.model or str(smollm2_dir()), lambda runner: run(args, runner),
+                      max_total_tokens=max(4096, max(args.batch) * (args.input_len + 4 * args.rounds + 16)))
 
 
 if __name__ == "__main__":

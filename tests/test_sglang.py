@@ -186,3 +186,28 @@ def test_draft_runner_is_left_untransformed_and_quantized_layers_fail_early(monk
     runner.server_args.kv_cache_dtype = "fp8_e4m3"
     with pytest.raises(NotImplementedError, match=r"--kv-cache-dtype fp8_e4m3 is not supported"):
         runtime.check_supported(runner, [0])
+
+
+@pytest.mark.parametrize("static", ["0", "1"])
+def test_padding_rows_are_never_routed_counted_or_mixed_in(tmp_path, static):
+    """A decode batch padded by one row as the CUDA-graph runner pads it: the real rows' logits are
+    the unpadded step's, and stats count the real rows only (from SGLang's num_token_non_padded);
+    without that count the padding row would be counted (the control)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    base = tiny_llama()
+    path = save_checkpoint(tmp_path / "ckpt", base, flexidepth_for(base, [1, 3, 4, 5], gate="soft"))
+    out = tmp_path / "padded.json"
+    env = {**os.environ, "VSKIPPER_EXECUTION": "routed", "VSKIPPER_STATIC_SHAPES": static,
+           "PYTHONPATH": os.pathsep.join([str(Path(vskipper.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "padded_decode.py"), str(path), str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["rows"] == 4
+    assert res["max_abs_diff_real_rows"] < 1e-4, res
+    assert res["padded"] == res["real"] and all(s["tokens"] == 3 for s in res["real"].values()), res
+    assert all(s["tokens"] == 4 for s in res["padded_without_count"].values()), res
