@@ -18,7 +18,7 @@ TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) >= 2 
 
 
 def checkpoint(tmp_path, family):
-    base = tiny_llama() if family == "llama" else tiny_qwen3()
+    base = tiny_llama() if family == "llama" else tiny_qwen3(heads=4, kv_heads=2)  # heads that shard over 2 ranks
     sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft" if family == "llama" else "hard")
     return save_checkpoint(tmp_path / "ckpt", base, sk), base, sk
 
@@ -46,5 +46,8 @@ def test_tensor_parallel_2_fixed_shape_body(tmp_path):
 
 def test_data_parallel_2_serves_the_reference(tmp_path):
     path, base, sk = checkpoint(tmp_path, "llama")
-    with engine(path, engine_args={"dp_size": 2}, VSKIPPER_EXECUTION="routed", **TWO_RANKS) as eng:
+    with engine(path, engine_args={"dp_size": 2}, VSKIPPER_EXECUTION="routed",
+                VSKIPPER_ROUTE_DIGEST=str(tmp_path / "routes"), **TWO_RANKS) as eng:
         check_against_reference(eng, base, sk)
+    replicas = list((tmp_path / "routes").glob("tp0-*.txt"))
+    assert len(replicas) == 2, replicas  # each replica loaded the plugin, transformed its copy and routed

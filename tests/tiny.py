@@ -21,12 +21,13 @@ def tiny_llama(seed: int = 0, layers: int = 6):
     return _init(LlamaForCausalLM(cfg))
 
 
-def tiny_qwen3(seed: int = 0, layers: int = 6):
+def tiny_qwen3(seed: int = 0, layers: int = 6, heads: int = 3, kv_heads: int = 1):
+    """(heads=4, kv_heads=2 shard over two tensor-parallel ranks; the default does not.)"""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=36, intermediate_size=50, num_hidden_layers=layers,
-                      num_attention_heads=3, num_key_value_heads=1, head_dim=12, max_position_embeddings=256,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=12, max_position_embeddings=256,
                       rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=0,
                       bos_token_id=None, eos_token_id=None)
     return _init(Qwen3ForCausalLM(cfg))
