@@ -51,3 +51,27 @@ def test_data_parallel_2_serves_the_reference(tmp_path):
         check_against_reference(eng, base, sk)
     replicas = list((tmp_path / "routes").glob("tp0-*.txt"))
     assert len(replicas) == 2, replicas  # each replica loaded the plugin, transformed its copy and routed
+
+
+def test_stock_model_through_the_hook_with_auto_under_tensor_parallel_2(tmp_path):
+    import vskipper
+    from test_sglang import calibrated_cache
+
+    base = tiny_llama()
+    base.save_pretrained(tmp_path / "stock", safe_serialization=True)
+    spec = "random:rate=0.5,layers=1-5,seed=3"
+    with engine(tmp_path / "stock", engine_args={"tp_size": 2}, VSKIPPER_SKIPPER=spec, VSKIPPER_EXECUTION="auto",
+                **calibrated_cache(tmp_path, base), **TWO_RANKS) as eng:
+        check_against_reference(eng, base, vskipper.parse_skipper(spec))
+
+
+def test_pipeline_parallel_is_refused_naming_the_flag(monkeypatch):
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as rc
+
+    from vskipper.models import sglang as fam
+
+    monkeypatch.setattr(rc, "get_parallel", lambda: SimpleNamespace(tp_size=1, pp_group=SimpleNamespace(world_size=2)))
+    with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(--pp-size 2\) is not supported"):
+        fam.make_stacks(SimpleNamespace(model=SimpleNamespace(layers=[])), [0])
