@@ -9,9 +9,9 @@ from vskipper.config import Config
 from vskipper.models import ModelFamily, family_for
 from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
 from vskipper.routed_layer import AutoBody, Body, RouteCounter, RoutedLayer, make_body
+from vskipper.skippers.base import Skipper
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() shows auto's graph plan for
-from vskipper.skippers.base import Skipper
 
 
 class VSkipperState(nn.Module):
