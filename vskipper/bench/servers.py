@@ -28,6 +28,7 @@ class System:
     model_path: str
     skipper: str | None = None
     env: tuple[tuple[str, str], ...] = ()
+    label: str = ""  # how a verdict names it, e.g. "RandomSkip(0.5)"
 
 
 @dataclass
@@ -88,6 +89,41 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None
             pass
         time.sleep(1)
     return f"not healthy after {timeout:.0f} s"
+
+
+def start_all(systems: list[System], log_dir: Path, max_total_tokens: int = 32768, timeout: float = 300,
+              on_ready=None) -> dict[str, Server]:
+    """Start every system's server at once (their start-up is mostly imports and loading, which
+    overlap well even on 2 CPUs) and wait for all; if one fails, stop the others and raise.
+    on_ready(name) is called as each one becomes healthy."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    servers, errors = {}, []
+    with ThreadPoolExecutor(len(systems)) as ex:
+        futures = {ex.submit(start, s, log_dir, max_total_tokens, timeout): s.name for s in systems}
+        for f in as_completed(futures):
+            try:
+                servers[futures[f]] = f.result()
+                if on_ready is not None:
+                    on_ready(futures[f])
+            except Exception as e:  # noqa: BLE001 - collected, the others stopped, then raised
+                errors.append(str(e))
+    if errors:
+        for srv in servers.values():
+            stop(srv)
+        raise RuntimeError("; ".join(errors))
+    return servers
+
+
+def memory_gb(server: Server) -> float:
+    """Proportional set size of the server's process tree (shared pages split among sharers), GB."""
+    import psutil
+
+    try:
+        p = psutil.Process(server.proc.pid)
+        return sum(c.memory_full_info().pss for c in [p] + p.children(recursive=True)) / 1e9
+    except psutil.Error:
+        return float("nan")
 
 
 def stop(server: Server) -> None:

@@ -1,5 +1,7 @@
 """The side-by-side serving benchmark: upstream SGLang vs SGLang + vskipper, same requests.
 
+The full run (`python bench/serve.py`; the quick paired run behind `--quick` is vskipper/bench/quick.py):
+
 1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
    nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
    skipper under test; on the bundled SmolLM2-135M also vskipper-trained, the FlexiDepth skipper
@@ -27,7 +29,6 @@ from vskipper.bench.load import poisson_schedule, run_load, throughput
 from vskipper.bench.servers import System, start, stop
 
 KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)
-QUICK_KNEE_FRACTIONS = (0.4, 0.7, 1.0, 1.3)
 LOADS = (0.75, 1.0, 1.25, math.inf)  # multiples of the knee; inf = saturation
 
 
@@ -169,16 +170,17 @@ def main(argv=None) -> None:
                                          "runs its shipped trained skipper as vskipper-trained)")
     ap.add_argument("--skipper", default=None,
                     help="skipper spec under test (default: random:rate=0.5 over the second half of the layers)")
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help="fewer requests, a coarser knee search and one repeat: under 10 minutes on 2 CPUs")
-    ap.add_argument("--out", default="out/bench-serve")
+                    help="the main job: paired rounds through SGLang's own client plus quality, under 10 minutes "
+                         "on 2 CPUs (vskipper/bench/quick.py); without it, the full run with the knee search")
+    ap.add_argument("--rounds", type=int, help="quick run: paired rounds (default 6)")
+    ap.add_argument("--requests", type=int, default=48, help="full run: requests per load")
+    ap.add_argument("--max-new-tokens", type=int,
+                    help="output tokens per request (default: 64 in the full run, 24 in the quick one)")
+    ap.add_argument("--repeats", type=int, default=3, help="full run: interleaved repeats per load")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="output directory (default out/bench-serve or out/bench-serve-quick)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.requests, args.repeats, args.max_new_tokens = 24, 1, 48
     from vskipper.models.checkpoint import read_config
     from vskipper.skippers import parse_skipper
 
@@ -193,16 +195,33 @@ def main(argv=None) -> None:
     n = read_config(model)["num_hidden_layers"]
     layers = f"{n // 2}-{n - 1}"
     spec = args.skipper or f"random:rate=0.5,layers={layers},seed=0"
-    parse_skipper(spec)  # fail now, not after the servers started
-    systems = [System("upstream", model), System("vskipper-rate0", model, f"random:rate=0,layers={layers}"),
-               System("vskipper", model, spec)]
+    try:
+        label = type(parse_skipper(spec)).__name__  # fail now, not after the servers started
+    except ValueError as e:
+        ap.error(str(e))
+    if args.skipper is None:
+        label = "RandomSkip(0.5)"
+    systems = [System("upstream", model, label="upstream"),
+               System("vskipper-rate0", model, f"random:rate=0,layers={layers}", label="rate 0"),
+               System("vskipper", model, spec, label=f"vskipper {label}")]
     if trained is not None and args.skipper is None:
-        systems.append(System("vskipper-trained", model, trained))
-    settings = Settings(args.requests, args.max_new_tokens, args.repeats, args.seed,
-                        QUICK_KNEE_FRACTIONS if args.quick else KNEE_FRACTIONS)
-    text = run(systems, settings, Path(args.out))
+        systems.append(System("vskipper-trained", model, trained, label="trained FlexiDepth"))
+    if args.quick:
+        from vskipper.bench import quick
+
+        try:
+            qs = quick.Settings(**{k: v for k, v in (("rounds", args.rounds), ("output_len", args.max_new_tokens))
+                                   if v is not None}, seed=args.seed)
+        except ValueError as e:
+            ap.error(str(e))
+        text = quick.run(systems, qs, Path(args.out or "out/bench-serve-quick"))
+        print(text)
+        return
+    out = Path(args.out or "out/bench-serve")
+    settings = Settings(args.requests, args.max_new_tokens or 64, args.repeats, args.seed, KNEE_FRACTIONS)
+    text = run(systems, settings, out)
     print(text)
-    print(f"plot: {Path(args.out) / 'latency_vs_load.png'}")
+    print(f"plot: {out / 'latency_vs_load.png'}")
 
 
 if __name__ == "__main__":
