@@ -177,8 +177,10 @@ def test_last_integer_reads_the_answer_like_bench_quality():
 
 
 def test_quick_settings_reject_bad_values_naming_the_field():
-    with pytest.raises(ValueError, match="rounds=2"):
+    with pytest.raises(ValueError, match="rounds=2 must be >= min_rounds=4"):
         quick.Settings(rounds=2)
+    with pytest.raises(ValueError, match="min_rounds=2"):
+        quick.Settings(min_rounds=2)
     with pytest.raises(ValueError, match="concurrencies"):
         quick.Settings(concurrencies=(8, 0))
     with pytest.raises(ValueError, match="output_len=3"):
@@ -195,6 +197,7 @@ class FakeClient:
 
     speed = {"upstream": 100.0, "fast": 112.0, "slow": 95.0}
     calls: list = []
+    clock = [0.0]  # fake seconds: every call takes 10
 
     def __init__(self, model_path, work_dir):
         self.mood = 1.0
@@ -208,6 +211,7 @@ class FakeClient:
 
     def run(self, url, rows, concurrency, rate=math.inf, seed=0, ignore_eos=True):
         FakeClient.calls.append((url, tuple(rows), concurrency, rate, seed))
+        FakeClient.clock[0] += 10.0
         if rows[0][0] == "question":
             qs = quick.question_subset(len(rows))
             texts = tuple(f"= {int(q['answer']) + (url == 'slow' and i % 2)}" for i, q in enumerate(qs))
@@ -216,20 +220,25 @@ class FakeClient:
         return LoadResult(len(rows), len(rows), 1.0, tp, 1e4 / tp, 1e4 / tp, 2e4 / tp, (), ())
 
 
-def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypatch, tmp_path):
+def fake_quick(monkeypatch):
     from vskipper.bench import sglang_client
 
-    FakeClient.calls = []
+    FakeClient.calls, FakeClient.clock = [], [0.0]
     monkeypatch.setattr(sglang_client, "Client", FakeClient)
     monkeypatch.setattr(quick, "start_all", lambda systems, *a, **k: {s.name: type("S", (), {"url": s.name})()
                                                                       for s in systems})
     monkeypatch.setattr(quick, "stop", lambda srv: None)
     monkeypatch.setattr(quick, "memory_gb", lambda srv: 1.0)
-    systems = [System("upstream", "m"), System("fast", "m", "x", label="Fast"), System("slow", "m", "y", label="Slow")]
+    monkeypatch.setattr(quick, "transform_line", lambda srv: None)
+    return [System("upstream", "m"), System("fast", "m", "x", label="Fast"), System("slow", "m", "y", label="Slow")]
+
+
+def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypatch, tmp_path):
+    systems = fake_quick(monkeypatch)
     s = quick.Settings(rounds=5, concurrencies=(4, 8), open_requests=6, output_len=10, questions=8)
     text = quick.run(systems, s, tmp_path)
 
-    calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt" and c[1][0][3] == 10]  # measured calls
+    calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt"]  # the measured calls
     assert len(calls) == 5 * 3 * 3
     orders = paired.round_orders(["upstream", "fast", "slow"], 5, 0)
     for r in range(5):
@@ -252,3 +261,17 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     assert line.startswith("verdict: Fast: +12.0% [+12.0%, +12.0%] tok/s at concurrency 8")
     assert "Slow: -5.0% [-5.0%, -5.0%] tok/s" in line and "quality 50% arithmetic (upstream 100%)" in line
     assert (tmp_path / "serving-quick.png").stat().st_size > 10_000
+
+
+def test_quick_run_stops_rounds_at_the_time_budget_but_not_below_min_rounds(monkeypatch, tmp_path):
+    """Each fake call takes 10 s: quality 30 s, a round of 3 systems x 3 loads 90 s."""
+    systems = fake_quick(monkeypatch)
+    monkeypatch.setattr(quick.time, "perf_counter", lambda: FakeClient.clock[0])
+    s = quick.Settings(rounds=8, min_rounds=4, budget_s=30 + 5.5 * 90 + 10, concurrencies=(4, 8), open_requests=6,
+                       output_len=10, questions=8)
+    quick.run(systems, s, tmp_path, started=0.0)
+    assert len(json.loads((tmp_path / "results.json").read_text())["rounds"]["concurrency 8"]["fast"]) == 5
+    s = quick.Settings(rounds=8, min_rounds=4, budget_s=1.0, concurrencies=(4, 8), open_requests=6, output_len=10,
+                       questions=8)
+    quick.run(systems, s, tmp_path, started=0.0)
+    assert len(json.loads((tmp_path / "results.json").read_text())["rounds"]["concurrency 8"]["fast"]) == 4

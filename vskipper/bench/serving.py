@@ -163,7 +163,8 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     return text
 
 
-def main(argv=None) -> None:
+def main(argv=None, started: float | None = None) -> None:
+    """started: time.perf_counter() when the job began (the quick run's time budget counts from it)."""
     ap = argparse.ArgumentParser(prog="vskipper bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct, which also "
@@ -173,7 +174,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the main job: paired rounds through SGLang's own client plus quality, under 10 minutes "
                          "on 2 CPUs (vskipper/bench/quick.py); without it, the full run with the knee search")
-    ap.add_argument("--rounds", type=int, help="quick run: paired rounds (default 6)")
+    ap.add_argument("--rounds", type=int, help="quick run: at most this many paired rounds (default 8; fewer if the "
+                                               "time budget runs out, never fewer than 4)")
+    ap.add_argument("--budget", type=float, help="quick run: seconds for the whole job (default 570)")
     ap.add_argument("--requests", type=int, default=48, help="full run: requests per load")
     ap.add_argument("--max-new-tokens", type=int,
                     help="output tokens per request (default: 64 in the full run, 24 in the quick one)")
@@ -210,11 +213,11 @@ def main(argv=None) -> None:
         from vskipper.bench import quick
 
         try:
-            qs = quick.Settings(**{k: v for k, v in (("rounds", args.rounds), ("output_len", args.max_new_tokens))
-                                   if v is not None}, seed=args.seed)
+            qs = quick.Settings(**{k: v for k, v in (("rounds", args.rounds), ("output_len", args.max_new_tokens),
+                                                     ("budget_s", args.budget)) if v is not None}, seed=args.seed)
         except ValueError as e:
             ap.error(str(e))
-        text = quick.run(systems, qs, Path(args.out or "out/bench-serve-quick"))
+        text = quick.run(systems, qs, Path(args.out or "out/bench-serve-quick"), started=started)
         print(text)
         return
     out = Path(args.out or "out/bench-serve")
