@@ -28,8 +28,13 @@ def transform_loaded(runner) -> None:
     else:
         return  # a stock model and no skipper: served unchanged
     vskipper.transform(model, skipper, settings.config())
-    logger.info("vskipper: transformed %s with %s (%s), routed layers %s", type(model).__name__,
-                type(skipper).__name__, settings.config(), list(skipper.layers))
+    bodies = sorted(set(model.vskipper.bodies.values()))
+    cost_state = ("calibrated for this device, picks dense/routed per step" if bodies == ["auto"] else
+                  "not calibrated for this device, so dense-masked (run `vskipper calibrate`)"
+                  if settings.execution == "auto" else f"not used (execution={settings.execution})")
+    logger.info("vskipper: transformed %s with %s [%s], routed layers %s, %s; cost model: %s", type(model).__name__,
+                type(skipper).__name__, settings.skipper_spec or "the checkpoint's own", list(skipper.layers),
+                settings.config(), cost_state)
     if settings.stats_interval:
         install_stats_logger(model, settings.stats_interval)
 
