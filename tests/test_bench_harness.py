@@ -160,13 +160,19 @@ def test_verdict_line_names_each_system_rate0_last_and_marks_unresolved():
                             "vskipper": {"tok_s": _delta(0.12, 0.08, 0.15)},
                             "vskipper-trained": {"tok_s": _delta(0.03, 0.01, 0.06)}},
          "open": {n: {"e2e_ms": _delta(-0.1, -0.2, -0.05)} for n in names[1:]}}
-    q = {n: {"accuracy": a, "agreement": g} for n, a, g in
+    q = {n: {"accuracy": a, "agreement": g, "prefix": g / 2} for n, a, g in
          zip(names, (0.5, 0.5, 0.25, 0.5), (1.0, 1.0, 0.375, 0.75))}
     line = report.verdict(d, q, names, labels, ("concurrency 32", "tok_s"), ("open", "e2e_ms"))
     assert line.startswith("verdict: vskipper RandomSkip(0.5): +12.0% [+8.0%, +15.0%] tok/s at concurrency 32")
     assert line.index("RandomSkip") < line.index("trained FlexiDepth") < line.index("rate 0:")
     assert "rate 0: +1.0% [-2.0%, +3.0%] not resolved tok/s" in line
-    assert "quality 25% arithmetic (upstream 50%), 38% same answers as upstream" in line
+    assert "quality 25% arithmetic (upstream 50%), 38% same answers as upstream, greedy agreement 19%" in line
+
+
+def test_prefix_share_counts_tokens_before_the_first_divergence():
+    assert report.prefix_share([[1, 2, 3], [4, 5]], [[1, 2, 9, 9], [4, 5]]) == pytest.approx(4 / 6)
+    assert report.prefix_share([[1]], [[2, 3]]) == 0.0
+    assert report.prefix_share([[1, 2, 3, 4]], [[1, 2]]) == 1.0  # a longer answer: the reference is all reproduced
 
 
 def test_last_integer_reads_the_answer_like_bench_quality():
@@ -201,6 +207,7 @@ class FakeClient:
 
     def __init__(self, model_path, work_dir):
         self.mood = 1.0
+        self.tokenizer = type("Chars", (), {"encode": lambda self, t, add_special_tokens=False: [ord(c) for c in t]})()
 
     def prompt_rows(self, n, output_len, seed):
         self.mood = [1.0, 0.5, 1.3, 0.7, 1.0][seed // 1000 % 5]  # round r's rows have seeds 1000 r + ...
@@ -244,7 +251,7 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     for r in range(5):
         rnd = calls[9 * r: 9 * (r + 1)]
         closed, opened = rnd[:6], rnd[6:]
-        assert [c[0] for c in closed[::2]] == orders[r] and [c[0] for c in opened] == orders[r]
+        assert [c[0] for c in closed[:3]] == orders[r] == [c[0] for c in closed[3:]] == [c[0] for c in opened]
         for conc in (4, 8):  # every system of the round got the very same requests
             assert len({c[1] for c in closed if c[2] == conc}) == 1
         assert len({(c[1], c[3], c[4]) for c in opened}) == 1  # same requests, same rate, same arrival seed
@@ -256,7 +263,9 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     res = json.loads((tmp_path / "results.json").read_text())
     fast = res["deltas"]["concurrency 8"]["fast"]["tok_s"]
     assert fast["median"] == pytest.approx(0.12) and fast["lo"] == pytest.approx(0.12)  # the moods cancel
-    assert res["quality"]["slow"] == {"correct": 4, "same": 4, "questions": 8, "accuracy": 0.5, "agreement": 0.5}
+    q = res["quality"]["slow"]
+    assert (q["correct"], q["same"], q["questions"], q["accuracy"], q["agreement"]) == (4, 4, 8, 0.5, 0.5)
+    assert 0 < q["prefix"] < 1 and res["quality"]["fast"]["prefix"] == 1.0
     line = text.strip().splitlines()[-2]
     assert line.startswith("verdict: Fast: +12.0% [+12.0%, +12.0%] tok/s at concurrency 8")
     assert "Slow: -5.0% [-5.0%, -5.0%] tok/s" in line and "quality 50% arithmetic (upstream 100%)" in line

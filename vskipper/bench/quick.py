@@ -3,7 +3,9 @@ quality measured beside speed, in under 10 minutes on 2 CPUs.
 
 1. start every system's server once (in parallel), one CPU thread each (see Settings);
 2. quality, which also warms every server up: a spread of the shipped arithmetic questions,
-   greedy, through every server: accuracy, and how often a system's answer text equals upstream's;
+   greedy, through every server: accuracy (the answer's last integer, as bench/quality.py scores
+   it), how often that answer equals upstream's, and greedy agreement (the share of upstream's
+   answer tokens a system reproduces before its first divergence);
 3. paired rounds, as many as the time budget allows (at least min_rounds): each round samples
    fresh shipped prompts (the same for every system) and runs every system, in a fresh random order, at each closed-loop concurrency (output tok/s, TPOT),
    then at one open-loop load, Poisson arrivals at `open_load` x upstream's capacity (e2e,
@@ -151,8 +153,8 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                     break
                 orders.append(order)
                 rows = {c: client.prompt_rows(c, s.output_len, seed=s.seed + 1000 * r + c) for c in s.concurrencies}
-                for n in order:
-                    for c, load in zip(s.concurrencies, closed):
+                for c, load in zip(s.concurrencies, closed):  # per load, the systems back to back
+                    for n in order:
                         res = client.run(servers[n].url, rows[c], concurrency=c)
                         rounds[load][n].append(measure(res, load))
                         failed[load][n] += res.requests - res.completed
@@ -175,11 +177,14 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
 
     log("phase 4/4: report")
     quality = {}
+    encode = lambda t: client.tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    base_ids = [encode(t) for t in texts[names[0]]]
     for n in names:
         correct = sum(report.last_integer(t) == int(q["answer"]) for t, q in zip(texts[n], questions))
-        same = sum(a == b for a, b in zip(texts[n], texts[names[0]]))
+        same = sum(report.last_integer(a) == report.last_integer(b) for a, b in zip(texts[n], texts[names[0]]))
         quality[n] = {"correct": correct, "same": same, "questions": len(questions),
-                      "accuracy": correct / len(questions), "agreement": same / len(questions)}
+                      "accuracy": correct / len(questions), "agreement": same / len(questions),
+                      "prefix": report.prefix_share([encode(t) for t in texts[n]], base_ids)}
     d = report.deltas(rounds, names, metrics_of)
     labels = {x.name: x.label for x in systems}
     line = report.verdict(d, quality, names, labels, (closed[-1], "tok_s"), (open_label, "e2e_ms"))

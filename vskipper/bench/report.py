@@ -32,6 +32,18 @@ def last_integer(text: str) -> int | None:
         return None
 
 
+def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of the reference tokens reproduced before the first divergence, over all references
+    (the greedy agreement of bench/quality.py)."""
+    same = total = 0
+    for g, r in zip(gen, ref):
+        n = 0
+        while n < min(len(g), len(r)) and g[n] == r[n]:
+            n += 1
+        same, total = same + n, total + len(r)
+    return same / max(1, total)
+
+
 def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]]) -> dict:
     """{load: {system: {metric: Delta}}} for every system but the baseline (names[0])."""
     base = names[0]
@@ -73,11 +85,13 @@ def short(load: str) -> str:
 
 
 def quality_table(quality: dict, names: list[str]) -> str:
-    rows = [f"| system | arithmetic accuracy | same answer text as {names[0]} |", "|---|---|---|"]
+    base = names[0]
+    rows = [f"| system | arithmetic accuracy | same answer as {base} | greedy agreement with {base} (tokens) |",
+            "|---|---|---|---|"]
     for name in names:
         q = quality[name]
         rows.append(f"| {name} | {q['accuracy']:.1%} ({q['correct']}/{q['questions']}) | "
-                    f"{q['agreement']:.1%} ({q['same']}/{q['questions']}) |")
+                    f"{q['agreement']:.1%} ({q['same']}/{q['questions']}) | {q['prefix']:.1%} |")
     return "\n".join(rows)
 
 
@@ -93,7 +107,7 @@ def verdict(d: dict, quality: dict, names: list[str], labels: dict[str, str], he
             s += f", e2e {d[latency[0]][name][latency[1]].text()} at {latency[0]}"
         q, b = quality[name], quality[names[0]]
         s += (f", quality {q['accuracy']:.0%} arithmetic ({names[0]} {b['accuracy']:.0%}), "
-              f"{q['agreement']:.0%} same answers as {names[0]}")
+              f"{q['agreement']:.0%} same answers as {names[0]}, greedy agreement {q['prefix']:.0%}")
         parts.append(s)
     return "verdict: " + "; ".join(parts)
 

@@ -22,6 +22,7 @@ import io
 import json
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,8 @@ class Client:
     """SGLang's benchmark client for one model's tokenizer; `run` measures one load on one server."""
 
     def __init__(self, model_path: str, work_dir: Path) -> None:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SGLang's quantization modules warn on import without a GPU
             import sglang.benchmark.serving as sb
             from sglang.benchmark.utils import get_tokenizer
 
