@@ -6,6 +6,7 @@ import pytest
 
 from vskipper.bench import serving
 from vskipper.bench.load import Result, poisson_schedule, throughput
+from vskipper.bench.sglang_client import LoadResult
 from vskipper.bench.servers import System
 
 
@@ -33,24 +34,32 @@ def test_knee_is_the_last_rate_that_still_grows(monkeypatch):
     """Fake server: output tok/s = min(rate, 3 req/s) * tokens; saturation gives 3 req/s."""
     s = serving.Settings(requests=8, max_new_tokens=10, repeats=1, seed=0)
 
-    def fake_load(url, reqs):
-        gaps = reqs[-1].arrival
-        rate = (len(reqs) - 1) / gaps if gaps > 0 else math.inf
+    def fake_load(client, url, rate, n, max_new_tokens, seed):
         tp = min(rate, 3.0) * 10  # tok/s
-        return [_res(0.0, 10 * len(reqs) / tp, n=10)] * len(reqs)
+        return [_res(0.0, 10 * n / tp, n=10)] * n
 
     monkeypatch.setattr(serving, "run_load", fake_load)
-    monkeypatch.setattr(serving, "poisson_schedule", lambda ps, rate, n, t, seed: _even(rate, n, t))
-    knee, curve = serving.find_knee(type("S", (), {"url": "x"})(), ["p"], s)
+    knee, curve = serving.find_knee(None, type("S", (), {"url": "x"})(), s)
     rates = [r for r, _ in curve]
     assert rates == pytest.approx([f * 3.0 for f in serving.KNEE_FRACTIONS[:len(rates)]])
     assert knee == pytest.approx(3.0)  # 1.0x capacity: the next step (1.15x) no longer grows
 
 
-def _even(rate, n, t):
-    from vskipper.bench.load import Request
+def test_full_run_turns_sglang_outputs_into_per_request_results():
+    class C:
+        def prompt_rows(self, n, t, seed):
+            return [("p", i) for i in range(n)]
 
-    return [Request("p", i / rate if math.isfinite(rate) else 0.0, t) for i in range(n)]
+        def run(self, url, rows, concurrency, rate, seed):
+            assert concurrency is None and rate == 2.0 and seed == 5
+            per = ((True, 0.5, 2.5, 10, 100.0), (True, 0.4, 1.0, 3, 101.0), (False, 0.0, 0.0, 0, 102.0))
+            return LoadResult(3, 2, 3.0, 1.0, 1.0, 1.0, 1.0, ("", "", ""), ("", "", "boom"), per)
+
+    ok, short, bad = serving.run_load(C(), "u", 2.0, 3, 10, 5)
+    assert ok.ok and ok.ttft == 0.5 and ok.tpot == pytest.approx(2.0 / 9) and ok.e2e == 2.5 and ok.end == 102.5
+    assert not short.ok and short.error == "3 of 10 tokens"
+    assert not bad.ok and bad.error == "boom"
+    assert throughput([ok, short, bad]) == pytest.approx(10 / 2.5)
 
 
 def test_table_has_deltas_against_upstream():
@@ -68,7 +77,6 @@ import random  # noqa: E402
 import statistics  # noqa: E402
 
 from vskipper.bench import paired, quick, report  # noqa: E402
-from vskipper.bench.sglang_client import LoadResult  # noqa: E402
 
 
 def test_round_orders_hold_every_system_once_in_fresh_seeded_orders():
@@ -284,3 +292,23 @@ def test_quick_run_stops_rounds_at_the_time_budget_but_not_below_min_rounds(monk
                        questions=8)
     quick.run(systems, s, tmp_path, started=0.0)
     assert len(json.loads((tmp_path / "results.json").read_text())["rounds"]["concurrency 8"]["fast"]) == 4
+
+
+def test_quick_run_names_a_server_that_died_mid_run(monkeypatch, tmp_path):
+    systems = fake_quick(monkeypatch)
+    dead = type("P", (), {"poll": lambda self: -15})()
+    monkeypatch.setattr(quick, "start_all", lambda systems, *a, **k: {
+        s.name: type("S", (), {"url": s.name, "log_path": tmp_path / f"server-{s.name}.log",
+                               "proc": dead if s.name == "slow" else type("P", (), {"poll": lambda self: None})()})()
+        for s in systems})
+
+    real = FakeClient.run
+
+    def run(self, url, rows, *a, **k):
+        if url == "slow":
+            raise ConnectionError("Connection reset by peer")
+        return real(self, url, rows, *a, **k)
+
+    monkeypatch.setattr(FakeClient, "run", run)
+    with pytest.raises(RuntimeError, match=r"server slow exited with -15 in the middle of the run \(see .*server-slow.log\)"):
+        quick.run(systems, quick.Settings(questions=8), tmp_path)

@@ -116,6 +116,16 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     rounds = {load: {n: [] for n in names} for load in metrics_of}
     failed = {load: {n: 0 for n in names} for load in metrics_of}
     servers, transforms, orders, rate = {}, {}, [], None
+
+    def send(n: str, rows, **kw):
+        try:
+            return client.run(servers[n].url, rows, **kw)
+        except Exception as e:
+            code = servers[n].proc.poll()
+            if code is None:
+                raise
+            raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
+
     try:
         log(f"phase 1/4: starting {len(systems)} SGLang servers ({', '.join(names)}) in parallel, "
             f"{s.server_threads} CPU thread(s) each")
@@ -135,7 +145,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
         texts = {}
         with bar(len(systems), "quality") as b:
             for n in names:
-                res = client.run(servers[n].url, qrows, concurrency=len(qrows), ignore_eos=False)
+                res = send(n, qrows, concurrency=len(qrows), ignore_eos=False)
                 if res.completed != res.requests:
                     bad = next(e for e in res.errors if e)
                     raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: {bad[-500:]}")
@@ -155,7 +165,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                 rows = {c: client.prompt_rows(c, s.output_len, seed=s.seed + 1000 * r + c) for c in s.concurrencies}
                 for c, load in zip(s.concurrencies, closed):  # per load, the systems back to back
                     for n in order:
-                        res = client.run(servers[n].url, rows[c], concurrency=c)
+                        res = send(n, rows[c], concurrency=c)
                         rounds[load][n].append(measure(res, load))
                         failed[load][n] += res.requests - res.completed
                         b.update(1)
@@ -166,7 +176,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                         f"open loop at {rate:.2f} req/s")
                 open_rows = client.prompt_rows(s.open_requests, s.output_len, seed=s.seed + 1000 * r + 7)
                 for n in order:
-                    res = client.run(servers[n].url, open_rows, concurrency=None, rate=rate, seed=s.seed + r)
+                    res = send(n, open_rows, concurrency=None, rate=rate, seed=s.seed + r)
                     rounds[open_label][n].append(measure(res, open_label))
                     failed[open_label][n] += res.requests - res.completed
                     b.update(1)
@@ -181,7 +191,8 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     base_ids = [encode(t) for t in texts[names[0]]]
     for n in names:
         correct = sum(report.last_integer(t) == int(q["answer"]) for t, q in zip(texts[n], questions))
-        same = sum(report.last_integer(a) == report.last_integer(b) for a, b in zip(texts[n], texts[names[0]]))
+        same = sum(report.last_integer(b) is not None and report.last_integer(a) == report.last_integer(b)
+                   for a, b in zip(texts[n], texts[names[0]]))
         quality[n] = {"correct": correct, "same": same, "questions": len(questions),
                       "accuracy": correct / len(questions), "agreement": same / len(questions),
                       "prefix": report.prefix_share([encode(t) for t in texts[n]], base_ids)}

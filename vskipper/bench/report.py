@@ -81,7 +81,8 @@ def tables(rounds: dict, d: dict, names: list[str], metrics_of: dict[str, tuple[
 
 
 def short(load: str) -> str:
-    return load.replace("concurrency ", "c=").split(" x ")[0].replace("open loop", "open")
+    """A tick label: "concurrency 32" -> "c=32", "open loop 0.75x capacity" -> "open 0.75x"."""
+    return load.replace("concurrency ", "c=").replace("open loop ", "open ").replace(" capacity", "")
 
 
 def quality_table(quality: dict, names: list[str]) -> str:

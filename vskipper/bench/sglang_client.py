@@ -42,6 +42,7 @@ class LoadResult:
     mean_e2e_ms: float
     texts: tuple[str, ...]
     errors: tuple[str, ...]
+    per_request: tuple[tuple[bool, float, float, int, float], ...] = ()  # (success, ttft, e2e, tokens, start) s
 
 
 def _args(ignore_eos: bool) -> argparse.Namespace:
@@ -117,7 +118,8 @@ class Client:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             m, _ = sb.calculate_metrics(rows, outputs, duration, self.tokenizer, "sglang")
         return LoadResult(len(rows), m.completed, duration, m.output_throughput, m.mean_ttft_ms, m.mean_tpot_ms,
-                          m.mean_e2e_latency_ms, tuple(o.generated_text for o in outputs), tuple(o.error for o in outputs))
+                          m.mean_e2e_latency_ms, tuple(o.generated_text for o in outputs), tuple(o.error for o in outputs),
+                          tuple((o.success, o.ttft, o.latency, o.output_len, o.start_time) for o in outputs))
 
     async def _drive(self, url: str, rows: list, concurrency: int | None, rate: float):
         """The core of sglang.benchmark.serving.benchmark(); see the module docstring for why ours."""
