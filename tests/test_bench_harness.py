@@ -1,10 +1,12 @@
 """The serving benchmark's arithmetic, without servers: arrivals, throughput, knee search, table."""
+import json
 import math
 
 import pytest
 
 from vskipper.bench import serving
 from vskipper.bench.load import Result, poisson_schedule, throughput
+from vskipper.bench.sglang_client import LoadResult
 from vskipper.bench.servers import System
 
 
@@ -32,24 +34,32 @@ def test_knee_is_the_last_rate_that_still_grows(monkeypatch):
     """Fake server: output tok/s = min(rate, 3 req/s) * tokens; saturation gives 3 req/s."""
     s = serving.Settings(requests=8, max_new_tokens=10, repeats=1, seed=0)
 
-    def fake_load(url, reqs):
-        gaps = reqs[-1].arrival
-        rate = (len(reqs) - 1) / gaps if gaps > 0 else math.inf
+    def fake_load(client, url, rate, n, max_new_tokens, seed):
         tp = min(rate, 3.0) * 10  # tok/s
-        return [_res(0.0, 10 * len(reqs) / tp, n=10)] * len(reqs)
+        return [_res(0.0, 10 * n / tp, n=10)] * n
 
     monkeypatch.setattr(serving, "run_load", fake_load)
-    monkeypatch.setattr(serving, "poisson_schedule", lambda ps, rate, n, t, seed: _even(rate, n, t))
-    knee, curve = serving.find_knee(type("S", (), {"url": "x"})(), ["p"], s)
+    knee, curve = serving.find_knee(None, type("S", (), {"url": "x"})(), s)
     rates = [r for r, _ in curve]
     assert rates == pytest.approx([f * 3.0 for f in serving.KNEE_FRACTIONS[:len(rates)]])
     assert knee == pytest.approx(3.0)  # 1.0x capacity: the next step (1.15x) no longer grows
 
 
-def _even(rate, n, t):
-    from vskipper.bench.load import Request
+def test_full_run_turns_sglang_outputs_into_per_request_results():
+    class C:
+        def prompt_rows(self, n, t, seed):
+            return [("p", i) for i in range(n)]
 
-    return [Request("p", i / rate if math.isfinite(rate) else 0.0, t) for i in range(n)]
+        def run(self, url, rows, concurrency, rate, seed):
+            assert concurrency is None and rate == 2.0 and seed == 5
+            per = ((True, 0.5, 2.5, 10, 100.0), (True, 0.4, 1.0, 3, 101.0), (False, 0.0, 0.0, 0, 102.0))
+            return LoadResult(3, 2, 3.0, 1.0, 1.0, 1.0, 1.0, ("", "", ""), ("", "", "boom"), per)
+
+    ok, short, bad = serving.run_load(C(), "u", 2.0, 3, 10, 5)
+    assert ok.ok and ok.ttft == 0.5 and ok.tpot == pytest.approx(2.0 / 9) and ok.e2e == 2.5 and ok.end == 102.5
+    assert not short.ok and short.error == "3 of 10 tokens"
+    assert not bad.ok and bad.error == "boom"
+    assert throughput([ok, short, bad]) == pytest.approx(10 / 2.5)
 
 
 def test_table_has_deltas_against_upstream():
@@ -59,3 +69,246 @@ def test_table_has_deltas_against_upstream():
     table = serving.summarize(results, systems, loads)
     row = next(line for line in table.splitlines() if "| vskipper |" in line)
     assert "1.50 ± 0.00" in row and "-25.0%" in row and "+33.3%" in row
+
+
+# --- the quick run: paired rounds, bootstrap CI, "not resolved" (vskipper/bench/paired.py, quick.py) ---
+
+import random  # noqa: E402
+import statistics  # noqa: E402
+
+from vskipper.bench import paired, quick, report  # noqa: E402
+
+
+def test_round_orders_hold_every_system_once_in_fresh_seeded_orders():
+    names = ["upstream", "rate0", "random", "trained"]
+    orders = paired.round_orders(names, 40, seed=5)
+    assert orders == paired.round_orders(names, 40, seed=5)
+    assert orders != paired.round_orders(names, 40, seed=6)
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert len({tuple(o) for o in orders}) > 10  # fresh orders, not one rotation
+    firsts = [o[0] for o in orders]
+    assert all(firsts.count(n) >= 3 for n in names)  # nobody always runs first (or last)
+    with pytest.raises(ValueError, match="rounds=0"):
+        paired.round_orders(names, 0, 0)
+    with pytest.raises(ValueError, match="distinct"):
+        paired.round_orders(["a", "a"], 3, 0)
+
+
+def test_paired_delta_cancels_a_slow_spell_that_hits_the_whole_round():
+    """Round r runs at speed s_r (the machine's mood, x3 between rounds); the system is 10% faster
+    than the baseline within every round. Per-round ratios see exactly +10%; means over rounds
+    compared unpaired would see noise of the order of the spread."""
+    speeds = [1.0, 0.4, 1.2, 0.35, 0.9, 1.1, 0.5, 1.0]
+    base = [100 * s for s in speeds]
+    d = paired.paired_delta([1.1 * b for b in base], base)
+    assert d.median == pytest.approx(0.10) and d.lo == pytest.approx(0.10) and d.hi == pytest.approx(0.10)
+    assert d.resolved and d.text() == "+10.0% [+10.0%, +10.0%]"
+    assert d.ratios == pytest.approx([0.1] * len(speeds))
+
+
+def test_paired_delta_rejects_bad_input_naming_it():
+    with pytest.raises(ValueError, match="3 values but 2 baseline"):
+        paired.paired_delta([1, 2, 3], [1, 2])
+    with pytest.raises(ValueError, match="no rounds"):
+        paired.paired_delta([], [])
+    with pytest.raises(ValueError, match="baseline must be positive and finite, got 0"):
+        paired.paired_delta([1, 2], [1, 0])
+    with pytest.raises(ValueError, match="values must be positive and finite, got nan"):
+        paired.paired_delta([1, math.nan], [1, 1])
+
+
+def test_bootstrap_ci_brackets_the_median_and_is_seeded():
+    xs = [0.03, -0.01, 0.05, 0.02, 0.04, 0.00, 0.06, 0.02, 0.03]
+    lo, hi = paired.bootstrap_ci(xs)
+    assert lo <= statistics.median(xs) <= hi and lo < hi
+    assert (lo, hi) == paired.bootstrap_ci(xs)
+    assert min(xs) <= lo and hi <= max(xs)  # a percentile interval of medians stays inside the data
+    assert paired.bootstrap_ci([0.07] * 5) == (0.07, 0.07)
+    with pytest.raises(ValueError, match="no values"):
+        paired.bootstrap_ci([])
+
+
+def test_bootstrap_ci_covers_the_true_median_about_95_percent_of_the_time():
+    """Synthetic experiments of 12 rounds each, per-round ratio ~ N(+5%, 4%): the 95% interval
+    contains the true median (+5%) in roughly 95% of them (a percentile bootstrap of a median over
+    few rounds is approximate: 85-99% accepted), and is not so wide that it contains everything."""
+    r = random.Random(1)
+    hits = far = 0
+    trials = 200
+    for t in range(trials):
+        xs = [r.gauss(0.05, 0.04) for _ in range(12)]
+        lo, hi = paired.bootstrap_ci(xs, resamples=800, seed=t)
+        hits += lo <= 0.05 <= hi
+        far += lo <= 0.05 + 0.08 <= hi  # two sigmas off: should rarely be inside
+    assert 0.85 * trials <= hits <= 0.99 * trials, hits
+    assert far <= 0.05 * trials, far
+
+
+def test_not_resolved_when_the_ci_spans_zero():
+    assert not paired.Delta(0.02, -0.01, 0.05, ()).resolved
+    assert not paired.Delta(0.0, 0.0, 0.03, ()).resolved  # touching 0 counts as spanning it
+    assert paired.Delta(-0.05, -0.08, -0.02, ()).resolved
+    assert paired.Delta(0.05, 0.01, 0.08, ()).resolved
+    assert paired.Delta(0.02, -0.01, 0.05, ()).text() == "+2.0% [-1.0%, +5.0%] not resolved"
+    # from synthetic rounds: a symmetric scatter around no change is not resolved, a clear shift is
+    noise = [0.04, -0.03, 0.01, -0.02, 0.03, -0.04, 0.02, -0.01]
+    base = [50.0] * len(noise)
+    assert not paired.paired_delta([50 * (1 + x) for x in noise], base).resolved
+    assert paired.paired_delta([50 * (1.15 + x) for x in noise], base).resolved
+
+
+def _delta(m, lo, hi):
+    return paired.Delta(m, lo, hi, (m,))
+
+
+def test_verdict_line_names_each_system_rate0_last_and_marks_unresolved():
+    names = ["upstream", "vskipper-rate0", "vskipper", "vskipper-trained"]
+    labels = {"vskipper-rate0": "rate 0", "vskipper": "vskipper RandomSkip(0.5)", "vskipper-trained": "trained FlexiDepth"}
+    d = {"concurrency 32": {"vskipper-rate0": {"tok_s": _delta(0.01, -0.02, 0.03)},
+                            "vskipper": {"tok_s": _delta(0.12, 0.08, 0.15)},
+                            "vskipper-trained": {"tok_s": _delta(0.03, 0.01, 0.06)}},
+         "open": {n: {"e2e_ms": _delta(-0.1, -0.2, -0.05)} for n in names[1:]}}
+    q = {n: {"accuracy": a, "agreement": g, "prefix": g / 2} for n, a, g in
+         zip(names, (0.5, 0.5, 0.25, 0.5), (1.0, 1.0, 0.375, 0.75))}
+    line = report.verdict(d, q, names, labels, ("concurrency 32", "tok_s"), ("open", "e2e_ms"))
+    assert line.startswith("verdict: vskipper RandomSkip(0.5): +12.0% [+8.0%, +15.0%] tok/s at concurrency 32")
+    assert line.index("RandomSkip") < line.index("trained FlexiDepth") < line.index("rate 0:")
+    assert "rate 0: +1.0% [-2.0%, +3.0%] not resolved tok/s" in line
+    assert "quality 25% arithmetic (upstream 50%), 38% same answers as upstream, greedy agreement 19%" in line
+
+
+def test_prefix_share_counts_tokens_before_the_first_divergence():
+    assert report.prefix_share([[1, 2, 3], [4, 5]], [[1, 2, 9, 9], [4, 5]]) == pytest.approx(4 / 6)
+    assert report.prefix_share([[1]], [[2, 3]]) == 0.0
+    assert report.prefix_share([[1, 2, 3, 4]], [[1, 2]]) == 1.0  # a longer answer: the reference is all reproduced
+
+
+def test_last_integer_reads_the_answer_like_bench_quality():
+    assert report.last_integer("13 + 72 = 85.") == 85
+    assert report.last_integer("It costs 1,250 dollars") == 1250
+    assert report.last_integer("no digits") is None
+    assert report.last_integer("from 5 to -3") == -3
+
+
+def test_quick_settings_reject_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="rounds=2 must be >= min_rounds=4"):
+        quick.Settings(rounds=2)
+    with pytest.raises(ValueError, match="min_rounds=2"):
+        quick.Settings(min_rounds=2)
+    with pytest.raises(ValueError, match="concurrencies"):
+        quick.Settings(concurrencies=(8, 0))
+    with pytest.raises(ValueError, match="output_len=3"):
+        quick.Settings(output_len=3)
+    with pytest.raises(ValueError, match="open_load"):
+        quick.Settings(open_load=0)
+    with pytest.raises(ValueError, match="questions=500"):
+        quick.question_subset(500)
+
+
+class FakeClient:
+    """Stands in for SGLang's client: a system's tok/s = its speed x the round's mood (a slow spell
+    hits every system of a round alike); answers: upstream right, 'slow' wrong on every other one."""
+
+    speed = {"upstream": 100.0, "fast": 112.0, "slow": 95.0}
+    calls: list = []
+    clock = [0.0]  # fake seconds: every call takes 10
+
+    def __init__(self, model_path, work_dir):
+        self.mood = 1.0
+        self.tokenizer = type("Chars", (), {"encode": lambda self, t, add_special_tokens=False: [ord(c) for c in t]})()
+
+    def prompt_rows(self, n, output_len, seed):
+        self.mood = [1.0, 0.5, 1.3, 0.7, 1.0][seed // 1000 % 5]  # round r's rows have seeds 1000 r + ...
+        return [("prompt", seed, i, output_len) for i in range(n)]
+
+    def question_rows(self, prompts, max_new_tokens):
+        return [("question", p) for p in prompts]
+
+    def run(self, url, rows, concurrency, rate=math.inf, seed=0, ignore_eos=True):
+        FakeClient.calls.append((url, tuple(rows), concurrency, rate, seed))
+        FakeClient.clock[0] += 10.0
+        if rows[0][0] == "question":
+            qs = quick.question_subset(len(rows))
+            texts = tuple(f"= {int(q['answer']) + (url == 'slow' and i % 2)}" for i, q in enumerate(qs))
+            return LoadResult(len(rows), len(rows), 1.0, 1.0, 1.0, 1.0, 1.0, texts, ("",) * len(rows))
+        tp = self.speed[url] * self.mood
+        return LoadResult(len(rows), len(rows), 1.0, tp, 1e4 / tp, 1e4 / tp, 2e4 / tp, (), ())
+
+
+def fake_quick(monkeypatch):
+    from vskipper.bench import sglang_client
+
+    FakeClient.calls, FakeClient.clock = [], [0.0]
+    monkeypatch.setattr(sglang_client, "Client", FakeClient)
+    monkeypatch.setattr(quick, "start_all", lambda systems, *a, **k: {s.name: type("S", (), {"url": s.name})()
+                                                                      for s in systems})
+    monkeypatch.setattr(quick, "stop", lambda srv: None)
+    monkeypatch.setattr(quick, "memory_gb", lambda srv: 1.0)
+    monkeypatch.setattr(quick, "transform_line", lambda srv: None)
+    return [System("upstream", "m"), System("fast", "m", "x", label="Fast"), System("slow", "m", "y", label="Slow")]
+
+
+def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypatch, tmp_path):
+    systems = fake_quick(monkeypatch)
+    s = quick.Settings(rounds=5, concurrencies=(4, 8), open_requests=6, output_len=10, questions=8)
+    text = quick.run(systems, s, tmp_path)
+
+    calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt"]  # the measured calls
+    assert len(calls) == 5 * 3 * 3
+    orders = paired.round_orders(["upstream", "fast", "slow"], 5, 0)
+    for r in range(5):
+        rnd = calls[9 * r: 9 * (r + 1)]
+        closed, opened = rnd[:6], rnd[6:]
+        assert [c[0] for c in closed[:3]] == orders[r] == [c[0] for c in closed[3:]] == [c[0] for c in opened]
+        for conc in (4, 8):  # every system of the round got the very same requests
+            assert len({c[1] for c in closed if c[2] == conc}) == 1
+        assert len({(c[1], c[3], c[4]) for c in opened}) == 1  # same requests, same rate, same arrival seed
+        assert all(c[2] is None and math.isfinite(c[3]) for c in opened)
+    assert len({c[1] for c in calls if c[2] == 8}) == 5  # fresh prompts every round
+    rate = calls[6][3]
+    assert rate == pytest.approx(0.75 * 100.0 / 10)  # 0.75 x upstream's round-1 capacity at concurrency 8
+
+    res = json.loads((tmp_path / "results.json").read_text())
+    fast = res["deltas"]["concurrency 8"]["fast"]["tok_s"]
+    assert fast["median"] == pytest.approx(0.12) and fast["lo"] == pytest.approx(0.12)  # the moods cancel
+    q = res["quality"]["slow"]
+    assert (q["correct"], q["same"], q["questions"], q["accuracy"], q["agreement"]) == (4, 4, 8, 0.5, 0.5)
+    assert 0 < q["prefix"] < 1 and res["quality"]["fast"]["prefix"] == 1.0
+    line = text.strip().splitlines()[-2]
+    assert line.startswith("verdict: Fast: +12.0% [+12.0%, +12.0%] tok/s at concurrency 8")
+    assert "Slow: -5.0% [-5.0%, -5.0%] tok/s" in line and "quality 50% arithmetic (upstream 100%)" in line
+    assert (tmp_path / "serving-quick.png").stat().st_size > 10_000
+
+
+def test_quick_run_stops_rounds_at_the_time_budget_but_not_below_min_rounds(monkeypatch, tmp_path):
+    """Each fake call takes 10 s: quality 30 s, a round of 3 systems x 3 loads 90 s."""
+    systems = fake_quick(monkeypatch)
+    monkeypatch.setattr(quick.time, "perf_counter", lambda: FakeClient.clock[0])
+    s = quick.Settings(rounds=8, min_rounds=4, budget_s=30 + 5.5 * 90 + 10, concurrencies=(4, 8), open_requests=6,
+                       output_len=10, questions=8)
+    quick.run(systems, s, tmp_path, started=0.0)
+    assert len(json.loads((tmp_path / "results.json").read_text())["rounds"]["concurrency 8"]["fast"]) == 5
+    s = quick.Settings(rounds=8, min_rounds=4, budget_s=1.0, concurrencies=(4, 8), open_requests=6, output_len=10,
+                       questions=8)
+    quick.run(systems, s, tmp_path, started=0.0)
+    assert len(json.loads((tmp_path / "results.json").read_text())["rounds"]["concurrency 8"]["fast"]) == 4
+
+
+def test_quick_run_names_a_server_that_died_mid_run(monkeypatch, tmp_path):
+    systems = fake_quick(monkeypatch)
+    dead = type("P", (), {"poll": lambda self: -15})()
+    monkeypatch.setattr(quick, "start_all", lambda systems, *a, **k: {
+        s.name: type("S", (), {"url": s.name, "log_path": tmp_path / f"server-{s.name}.log",
+                               "proc": dead if s.name == "slow" else type("P", (), {"poll": lambda self: None})()})()
+        for s in systems})
+
+    real = FakeClient.run
+
+    def run(self, url, rows, *a, **k):
+        if url == "slow":
+            raise ConnectionError("Connection reset by peer")
+        return real(self, url, rows, *a, **k)
+
+    monkeypatch.setattr(FakeClient, "run", run)
+    with pytest.raises(RuntimeError, match=r"server slow exited with -15 in the middle of the run \(see .*server-slow.log\)"):
+        quick.run(systems, quick.Settings(questions=8), tmp_path)

@@ -1,5 +1,6 @@
-"""`vskipper serve`: the real server on 127.0.0.1, an OpenAI-client completion, a clean shutdown;
-bad input fails before the server starts or at load, naming what is wrong."""
+"""`vskipper serve`: its defaults (the bundled model with its shipped skipper; --skipper none), the
+real server on 127.0.0.1, an OpenAI-client completion, a clean shutdown; bad input fails before the
+server starts or at load, naming what is wrong."""
 from __future__ import annotations
 
 import os
@@ -42,14 +43,70 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> Non
     raise AssertionError("server not healthy in time")
 
 
+def serve_env(monkeypatch, argv: list[str], environ: dict | None = None) -> tuple[list[str], dict]:
+    """What `vskipper serve ARGV` would exec (command line, environment), without starting it."""
+    from vskipper import cli
+
+    for k in ("VSKIPPER_SKIPPER", *(environ or {})):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in (environ or {}).items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+
+    def fake_execve(path, cmd, env):
+        seen.update(cmd=cmd, env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execve", fake_execve)
+    with pytest.raises(SystemExit):
+        cli.main(["serve", *argv])
+    return seen["cmd"], seen["env"]
+
+
+def test_serve_default_is_the_bundled_model_with_its_shipped_skipper(monkeypatch):
+    from vskipper.models.smollm2 import smollm2_dir
+
+    cmd, env = serve_env(monkeypatch, [])
+    assert cmd[cmd.index("--model-path") + 1] == str(smollm2_dir())
+    assert env["VSKIPPER_SKIPPER"] == "flexidepth:name=smollm2-135m-flexidepth"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+def test_serve_skipper_none_is_the_plain_model_even_over_the_environment(monkeypatch):
+    cmd, env = serve_env(monkeypatch, ["--skipper", "none"], {"VSKIPPER_SKIPPER": "random:rate=0.5,layers=1"})
+    assert "VSKIPPER_SKIPPER" not in env and "--model-path" in cmd
+
+
+def test_serve_explicit_skipper_or_model_path_replaces_the_default(monkeypatch, tmp_path):
+    _, env = serve_env(monkeypatch, ["--skipper", "random:rate=0.5,layers=15-29,seed=0"])
+    assert env["VSKIPPER_SKIPPER"] == "random:rate=0.5,layers=15-29,seed=0"
+    _, env = serve_env(monkeypatch, [], {"VSKIPPER_SKIPPER": "random:rate=0.25,layers=3"})
+    assert env["VSKIPPER_SKIPPER"] == "random:rate=0.25,layers=3"  # the environment's choice is kept
+    from vskipper.models.smollm2 import smollm2_dir
+
+    _, env = serve_env(monkeypatch, ["--model-path", str(smollm2_dir())])
+    assert "VSKIPPER_SKIPPER" not in env  # a model path given: served as it is unless --skipper says otherwise
+
+
+def test_serve_skipper_none_on_a_skip_aware_checkpoint_fails_naming_why(tmp_path, capsys):
+    from vskipper import cli
+
+    base = tiny_llama()
+    path = save_checkpoint(tmp_path / "ckpt", base, flexidepth_for(base, [1, 3], gate="soft"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--model-path", str(path), "--skipper", "none"])
+    assert e.value.code == 2 and "--skipper none cannot remove it" in capsys.readouterr().err
+
+
 def test_serve_bundled_model_openai_completion_and_clean_shutdown(tmp_path):
+    """No arguments: the bundled model with its shipped FlexiDepth skipper, one log line naming it."""
     from openai import OpenAI
 
     port = free_port()
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(VSKIPPER + ["serve", "--skipper", "random:rate=0.5,layers=15-29,seed=0", "--port", str(port),
-                                        "--stats-interval", "2", "--enable-metrics"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if k != "VSKIPPER_SKIPPER"}
+    proc = subprocess.Popen(VSKIPPER + ["serve", "--port", str(port), "--stats-interval", "2", "--enable-metrics"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         wait_healthy(port, proc)
         with socket.socket() as s:  # bound to loopback only
@@ -60,7 +117,7 @@ def test_serve_bundled_model_openai_completion_and_clean_shutdown(tmp_path):
         import requests
 
         metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        assert 'vskipper_routed_layer_tokens_total{layer="15",route="project"}' in metrics, metrics[-3000:]
+        assert 'vskipper_routed_layer_tokens_total{layer="15",route="run"}' in metrics, metrics[-3000:]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -70,7 +127,12 @@ def test_serve_bundled_model_openai_completion_and_clean_shutdown(tmp_path):
             raise AssertionError("server did not shut down within 60 s of SIGTERM")
     log.seek(0)
     text = log.read()
-    assert "--host 127.0.0.1" in text and "transformed LlamaForCausalLM with RandomSkip" in text
+    assert "--host 127.0.0.1" in text
+    line = next((x for x in text.splitlines() if "vskipper: transformed" in x), None)
+    assert line is not None, text[-3000:]
+    assert "transformed LlamaForCausalLM with FlexiDepth [flexidepth:name=smollm2-135m-flexidepth]" in line
+    assert f"routed layers {list(range(15, 30))}" in line and "cost model: " in line
+    assert sum("vskipper: transformed" in x for x in text.splitlines()) == 1
     time.sleep(2)
     leftover = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert not leftover, f"processes left behind: {leftover}"

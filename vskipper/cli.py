@@ -54,8 +54,14 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
     from vskipper.models.checkpoint import DD_ARCHITECTURES, CheckpointError, read_config
 
     env = dict(os.environ)
-    if args.skipper:
+    if args.skipper == "none":  # the plain model, whatever the default or the environment says
+        env.pop("VSKIPPER_SKIPPER", None)
+    elif args.skipper:
         env["VSKIPPER_SKIPPER"] = args.skipper
+    elif args.model_path is None and not env.get("VSKIPPER_SKIPPER"):
+        from vskipper.training.shipped import DEFAULT  # trained for the bundled model
+
+        env["VSKIPPER_SKIPPER"] = f"flexidepth:name={DEFAULT}"  # first contact: the bundled model, skipping
     if args.execution:
         env["VSKIPPER_EXECUTION"] = args.execution
     if args.stats_interval is not None:
@@ -76,6 +82,9 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
             _fail(str(e))
         if arch in DD_ARCHITECTURES and settings.skipper_spec:
             _fail(f"{model_path} is a skip-aware checkpoint ({arch}) with its own skipper; drop --skipper")
+        if arch in DD_ARCHITECTURES and args.skipper == "none":
+            _fail(f"{model_path} is a skip-aware checkpoint ({arch}): its skipper is part of it, --skipper none "
+                  f"cannot remove it; serve its base model for the plain model")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
     if not any(_has_flag(sglang_args, f) for f in MULTI_RANK_FLAGS):
         private_rendezvous(env)
@@ -121,8 +130,11 @@ def main(argv: list[str] | None = None) -> None:
                                  epilog="also: vskipper calibrate [-h] ..., vskipper bench serve [-h] ...")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="launch SGLang with vskipper (any other flags go to SGLang)")
-    s.add_argument("--skipper", help="skipper spec for a stock model, e.g. random:rate=0.5,layers=15-29,seed=0")
-    s.add_argument("--model-path", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
+    s.add_argument("--skipper", help="skipper spec for a stock model, e.g. random:rate=0.5,layers=15-29,seed=0; "
+                                     "'none' serves the model unchanged (default: the bundled model's shipped "
+                                     "FlexiDepth skipper, flexidepth:name=smollm2-135m-flexidepth, when no --model-path is given)")
+    s.add_argument("--model-path", help="model directory (default: the bundled SmolLM2-135M-Instruct, served with "
+                                        "its trained FlexiDepth skipper)")
     s.add_argument("--execution", choices=["auto", "dense", "routed"])
     s.add_argument("--stats-interval", type=int, help="log skip statistics every N decode steps")
     i = sub.add_parser("inspect", help="check a skip-aware checkpoint directory")

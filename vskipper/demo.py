@@ -1,30 +1,38 @@
 """The main job (`make demo`): the quick serving benchmark on the bundled SmolLM2-135M.
 
 Converts the bundled model once, measures this CPU's cost model once (`vskipper calibrate`,
-cached), then runs upstream SGLang, SGLang + vskipper with nothing skipped, with RandomSkip(0.5)
-over the second half of the layers, and with the trained FlexiDepth skipper shipped for this
-model, on the same requests, and prints the table and the plot's path (out/bench-serve-quick/).
+cached), then runs `vskipper bench serve --quick` (vskipper/bench/quick.py): upstream SGLang,
+SGLang + vskipper with nothing skipped, with RandomSkip(0.5) over the second half of the layers,
+and with the trained FlexiDepth skipper shipped for this model, in paired rounds on the same
+requests through SGLang's own benchmark client, plus the shipped arithmetic questions through
+every server. Prints the tables, one verdict line and the figure's path (out/bench-serve-quick/).
 Options are those of `vskipper bench serve` (default here: --quick)."""
 from __future__ import annotations
 
 import sys
+import time
 
 
 def main(argv=None) -> None:
     import torch
 
     from vskipper import calibrate, cost
-    from vskipper.bench import serving
+    from vskipper.bench import quick, serving
     from vskipper.models.smollm2 import smollm2_dir
 
+    t0 = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
     path = str(smollm2_dir())
     hidden, inter, heads, kv = calibrate.shape_of(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # the cost model is keyed on the thread count: measure it as the servers will run
+        torch.set_num_threads(quick.Settings().server_threads)
     if cost.load(device, hidden, inter) is None:
-        print("demo: measuring this device's cost model once (vskipper calibrate)", file=sys.stderr, flush=True)
+        print(f"[{time.strftime('%H:%M:%S')}] demo: measuring this device's cost model once (vskipper calibrate, "
+              f"cached for the next runs)", file=sys.stderr, flush=True)
         calibrate.main(["--model", path, "--device", device])
-    serving.main((["--quick", "--out", "out/bench-serve-quick"] if not argv else []) + argv)
+    serving.main((["--quick"] if not argv else []) + argv, started=t0)
+    print(f"demo: {time.perf_counter() - t0:.0f} s in all", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

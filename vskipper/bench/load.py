@@ -1,5 +1,9 @@
 """Open-loop load: seeded Poisson arrivals, pinned output lengths, per-request TTFT / TPOT /
-end-to-end latency, through SGLang's native streaming /generate endpoint."""
+end-to-end latency, through SGLang's native streaming /generate endpoint.
+
+The serving benchmarks (quick and full) send their requests with SGLang's own client
+(vskipper/bench/sglang_client.py); this client of ours remains only for the soak run
+(vskipper/bench/soak.py), and `Result` / `throughput` serve both."""
 from __future__ import annotations
 
 import asyncio

@@ -28,6 +28,7 @@ class System:
     model_path: str
     skipper: str | None = None
     env: tuple[tuple[str, str], ...] = ()
+    label: str = ""  # how a verdict names it, e.g. "RandomSkip(0.5)"
 
 
 @dataclass
@@ -43,18 +44,22 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout: float = 300) -> Server:
+def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout: float = 300,
+          threads: int | None = None, log_level: str = "warning") -> Server:
     """Launch `python -m sglang.launch_server` for `system` and wait until /health answers.
     --sleep-on-idle keeps an idle server off the CPU, so several can stay up and be measured in
-    turn on a small machine."""
+    turn on a small machine. threads: the server's CPU threads (OMP_NUM_THREADS; None: torch's
+    default, one per core)."""
     port = free_port()
     env = dict(os.environ)
     env.pop("VSKIPPER_SKIPPER", None)
     if system.skipper:
         env["VSKIPPER_SKIPPER"] = system.skipper
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.update(dict(system.env))
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", system.model_path, "--host", "127.0.0.1",
-           "--port", str(port), "--sleep-on-idle", "--max-total-tokens", str(max_total_tokens), "--log-level", "warning"]
+           "--port", str(port), "--sleep-on-idle", "--max-total-tokens", str(max_total_tokens), "--log-level", log_level]
     if not torch.cuda.is_available():
         env["SGLANG_PLATFORM"] = "vskipper_cpu"
         cmd += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
@@ -88,6 +93,52 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None
             pass
         time.sleep(1)
     return f"not healthy after {timeout:.0f} s"
+
+
+def start_all(systems: list[System], log_dir: Path, max_total_tokens: int = 32768, timeout: float = 300,
+              on_ready=None, **kwargs) -> dict[str, Server]:
+    """Start every system's server at once (their start-up is mostly imports and loading, which
+    overlap well even on 2 CPUs) and wait for all; if one fails, stop the others and raise.
+    on_ready(name) is called as each one becomes healthy; kwargs go to `start`."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    servers, errors = {}, []
+    with ThreadPoolExecutor(len(systems)) as ex:
+        futures = {ex.submit(start, s, log_dir, max_total_tokens, timeout, **kwargs): s.name for s in systems}
+        for f in as_completed(futures):
+            try:
+                servers[futures[f]] = f.result()
+                if on_ready is not None:
+                    on_ready(futures[f])
+            except Exception as e:  # noqa: BLE001 - collected, the others stopped, then raised
+                errors.append(str(e))
+    if errors:
+        for srv in servers.values():
+            stop(srv)
+        raise RuntimeError("; ".join(errors))
+    return servers
+
+
+def memory_gb(server: Server) -> float:
+    """Proportional set size of the server's process tree (shared pages split among sharers), GB."""
+    import psutil
+
+    try:
+        p = psutil.Process(server.proc.pid)
+        return sum(c.memory_full_info().pss for c in [p] + p.children(recursive=True)) / 1e9
+    except psutil.Error:
+        return float("nan")
+
+
+def transform_line(server: Server) -> str | None:
+    """The line the server logged when vskipper transformed its model (skipper, routed layers,
+    cost model state), or None (an upstream server, or a log level above info)."""
+    try:
+        lines = server.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [x for x in lines if "vskipper: transformed" in x]
+    return found[-1][found[-1].index("vskipper: transformed"):] if found else None
 
 
 def stop(server: Server) -> None:

@@ -1,13 +1,17 @@
 """The side-by-side serving benchmark: upstream SGLang vs SGLang + vskipper, same requests.
 
+The full run (`python bench/serve.py`; the quick paired run behind `--quick` is vskipper/bench/quick.py):
+
 1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
    nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
    skipper under test; on the bundled SmolLM2-135M also vskipper-trained, the FlexiDepth skipper
    shipped for it), all with --sleep-on-idle so idle ones stay off the CPU;
+   Requests are generated, sent and timed by SGLang's own benchmark client
+   (vskipper/bench/sglang_client.py), one CPU thread per server (see quick.Settings);
 2. find the knee of upstream's load curve: the last offered rate whose output throughput still
    grows by >= 1% (rates are fractions of upstream's saturated capacity);
-3. run every system at 0.75x, 1x, 1.25x the knee and at saturation, with the same seeded Poisson
-   arrivals and pinned output lengths (ignore_eos), interleaved, `repeats` times;
+3. run every system at 0.75x, 1x, 1.25x the knee and at saturation, with the same prompts, the same
+   seeded Poisson arrivals and pinned output lengths (ignore_eos), interleaved, `repeats` times;
 4. print a markdown table (means with 95% confidence intervals, deltas against upstream), write
    it with the raw results (JSON) and a plot of latency against load (PNG) to --out.
 """
@@ -23,11 +27,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vskipper.bench.load import poisson_schedule, run_load, throughput
+from vskipper.bench.load import Result, throughput
 from vskipper.bench.servers import System, start, stop
 
 KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)
-QUICK_KNEE_FRACTIONS = (0.4, 0.7, 1.0, 1.3)
 LOADS = (0.75, 1.0, 1.25, math.inf)  # multiples of the knee; inf = saturation
 
 
@@ -52,20 +55,23 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     return m, (1.96 * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
 
 
-def prompts() -> list[str]:
-    from vskipper.data import load
+def run_load(client, url: str, rate: float, n: int, max_new_tokens: int, seed: int) -> list[Result]:
+    """n shipped prompts (seeded), sent by SGLang's own benchmark client (vskipper/bench/sglang_client.py)
+    with seeded Poisson arrivals at `rate` req/s (inf: all at once), as per-request Results."""
+    res = client.run(url, client.prompt_rows(n, max_new_tokens, seed), concurrency=None, rate=rate, seed=seed)
+    return [Result(ok and out == max_new_tokens, ttft, (e2e - ttft) / max(1, out - 1), e2e, out, start, start + e2e,
+                   err or ("" if out == max_new_tokens else f"{out} of {max_new_tokens} tokens"))
+            for (ok, ttft, e2e, out, start), err in zip(res.per_request, res.errors)]
 
-    return [r["prompt"] for r in load("prompts")]
 
-
-def find_knee(server, ps: list[str], s: Settings) -> tuple[float, list[tuple[float, float]]]:
-    sat = run_load(server.url, poisson_schedule(ps, math.inf, s.requests, s.max_new_tokens, s.seed))
+def find_knee(client, server, s: Settings) -> tuple[float, list[tuple[float, float]]]:
+    sat = run_load(client, server.url, math.inf, s.requests, s.max_new_tokens, s.seed)
     capacity = throughput(sat) / s.max_new_tokens  # req/s at saturation
     log(f"upstream saturated throughput {throughput(sat):.1f} tok/s = {capacity:.2f} req/s")
     curve, knee = [], None
     for f in s.knee_fractions:
         rate = f * capacity
-        tp = throughput(run_load(server.url, poisson_schedule(ps, rate, s.requests, s.max_new_tokens, s.seed + 1)))
+        tp = throughput(run_load(client, server.url, rate, s.requests, s.max_new_tokens, s.seed + 1))
         log(f"  knee search: {rate:.2f} req/s -> {tp:.1f} tok/s")
         if curve and tp < curve[-1][1] * 1.01:
             knee = curve[-1][0]
@@ -123,16 +129,19 @@ def plot(results: dict, systems: list[System], loads: list[tuple[str, float]], p
 def run(systems: list[System], s: Settings, out: Path) -> str:
     import signal
 
+    from vskipper.bench.quick import Settings as QuickSettings
+    from vskipper.bench.sglang_client import Client
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
-    ps = prompts()
     out.mkdir(parents=True, exist_ok=True)
+    client = Client(systems[0].model_path, out)
     servers = {}
     try:
         for sysm in systems:
             log(f"starting {sysm.name} ({sysm.skipper or 'no skipper'})")
-            servers[sysm.name] = start(sysm, out)
-            run_load(servers[sysm.name].url, poisson_schedule(ps, math.inf, 4, 8, 0))  # warm up
-        knee, curve = find_knee(servers[systems[0].name], ps, s)
+            servers[sysm.name] = start(sysm, out, threads=QuickSettings().server_threads)  # why: see there
+            run_load(client, servers[sysm.name].url, math.inf, 4, 8, 0)  # warm up
+        knee, curve = find_knee(client, servers[systems[0].name], s)
         log(f"knee of upstream's load curve: {knee:.2f} req/s")
         loads = [(f"{f}x knee ({knee * f:.2f}/s)" if math.isfinite(f) else "saturation", knee * f) for f in LOADS]
         results = {label: {sysm.name: [] for sysm in systems} for label, _ in loads}
@@ -140,8 +149,8 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
             for i, (label, rate) in enumerate(loads):
                 order = systems[rep % len(systems):] + systems[:rep % len(systems)]  # interleave
                 for sysm in order:
-                    reqs = poisson_schedule(ps, rate, s.requests, s.max_new_tokens, s.seed + 100 * rep + i)
-                    res = run_load(servers[sysm.name].url, reqs)
+                    res = run_load(client, servers[sysm.name].url, rate, s.requests, s.max_new_tokens,
+                                   s.seed + 100 * rep + i)
                     results[label][sysm.name].append(res)
                     log(f"repeat {rep + 1}/{s.repeats} {label} {sysm.name}: {throughput(res):.1f} tok/s, "
                         f"{sum(not r.ok for r in res)} failed")
@@ -162,23 +171,27 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     return text
 
 
-def main(argv=None) -> None:
+def main(argv=None, started: float | None = None) -> None:
+    """started: time.perf_counter() when the job began (the quick run's time budget counts from it)."""
     ap = argparse.ArgumentParser(prog="vskipper bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct, which also "
                                          "runs its shipped trained skipper as vskipper-trained)")
     ap.add_argument("--skipper", default=None,
                     help="skipper spec under test (default: random:rate=0.5 over the second half of the layers)")
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help="fewer requests, a coarser knee search and one repeat: under 10 minutes on 2 CPUs")
-    ap.add_argument("--out", default="out/bench-serve")
+                    help="the main job: paired rounds through SGLang's own client plus quality, under 10 minutes "
+                         "on 2 CPUs (vskipper/bench/quick.py); without it, the full run with the knee search")
+    ap.add_argument("--rounds", type=int, help="quick run: at most this many paired rounds (default 8; fewer if the "
+                                               "time budget runs out, never fewer than 4)")
+    ap.add_argument("--budget", type=float, help="quick run: seconds for the whole job (default 570)")
+    ap.add_argument("--requests", type=int, default=48, help="full run: requests per load")
+    ap.add_argument("--max-new-tokens", type=int,
+                    help="output tokens per request (default: 64 in the full run, 24 in the quick one)")
+    ap.add_argument("--repeats", type=int, default=3, help="full run: interleaved repeats per load")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="output directory (default out/bench-serve or out/bench-serve-quick)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.requests, args.repeats, args.max_new_tokens = 24, 1, 48
     from vskipper.models.checkpoint import read_config
     from vskipper.skippers import parse_skipper
 
@@ -193,16 +206,33 @@ def main(argv=None) -> None:
     n = read_config(model)["num_hidden_layers"]
     layers = f"{n // 2}-{n - 1}"
     spec = args.skipper or f"random:rate=0.5,layers={layers},seed=0"
-    parse_skipper(spec)  # fail now, not after the servers started
-    systems = [System("upstream", model), System("vskipper-rate0", model, f"random:rate=0,layers={layers}"),
-               System("vskipper", model, spec)]
+    try:
+        label = type(parse_skipper(spec)).__name__  # fail now, not after the servers started
+    except ValueError as e:
+        ap.error(str(e))
+    if args.skipper is None:
+        label = "RandomSkip(0.5)"
+    systems = [System("upstream", model, label="upstream"),
+               System("vskipper-rate0", model, f"random:rate=0,layers={layers}", label="rate 0"),
+               System("vskipper", model, spec, label=f"vskipper {label}")]
     if trained is not None and args.skipper is None:
-        systems.append(System("vskipper-trained", model, trained))
-    settings = Settings(args.requests, args.max_new_tokens, args.repeats, args.seed,
-                        QUICK_KNEE_FRACTIONS if args.quick else KNEE_FRACTIONS)
-    text = run(systems, settings, Path(args.out))
+        systems.append(System("vskipper-trained", model, trained, label="trained FlexiDepth"))
+    if args.quick:
+        from vskipper.bench import quick
+
+        try:
+            qs = quick.Settings(**{k: v for k, v in (("rounds", args.rounds), ("output_len", args.max_new_tokens),
+                                                     ("budget_s", args.budget)) if v is not None}, seed=args.seed)
+        except ValueError as e:
+            ap.error(str(e))
+        text = quick.run(systems, qs, Path(args.out or "out/bench-serve-quick"), started=started)
+        print(text)
+        return
+    out = Path(args.out or "out/bench-serve")
+    settings = Settings(args.requests, args.max_new_tokens or 64, args.repeats, args.seed, KNEE_FRACTIONS)
+    text = run(systems, settings, out)
     print(text)
-    print(f"plot: {Path(args.out) / 'latency_vs_load.png'}")
+    print(f"plot: {out / 'latency_vs_load.png'}")
 
 
 if __name__ == "__main__":

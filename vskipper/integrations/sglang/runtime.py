@@ -37,6 +37,13 @@ def transform_loaded(runner) -> None:
         return  # a stock model and no skipper: served unchanged
     check_supported(runner, skipper.layers)
     vskipper.transform(model, skipper, settings.config())
+    bodies = sorted({b.name for b in model.vskipper.bodies.values()})
+    cost_state = ("calibrated for this device, picks dense/routed per step" if bodies == ["auto"] else
+                  "not calibrated for this device, so dense-masked (run `vskipper calibrate`)"
+                  if settings.execution == "auto" else f"not used (execution={settings.execution})")
+    logger.info("vskipper: transformed %s with %s [%s], routed layers %s, %s; cost model: %s", type(model).__name__,
+                type(skipper).__name__, settings.skipper_spec or "the checkpoint's own", list(skipper.layers),
+                settings.config(), cost_state)
     logger.info("%s", vskipper.explain(model))
     if settings.stats_interval:
         install_stats_logger(runner, settings.stats_interval)

@@ -1,0 +1,230 @@
+"""The quick serving benchmark (`make demo`): paired rounds through SGLang's own client, with
+quality measured beside speed, in under 10 minutes on 2 CPUs.
+
+1. start every system's server once (in parallel), one CPU thread each (see Settings);
+2. quality, which also warms every server up: a spread of the shipped arithmetic questions,
+   greedy, through every server: accuracy (the answer's last integer, as bench/quality.py scores
+   it), how often that answer equals upstream's, and greedy agreement (the share of upstream's
+   answer tokens a system reproduces before its first divergence);
+3. paired rounds, as many as the time budget allows (at least min_rounds): each round samples
+   fresh shipped prompts (the same for every system) and runs every system, in a fresh random order, at each closed-loop concurrency (output tok/s, TPOT),
+   then at one open-loop load, Poisson arrivals at `open_load` x upstream's capacity (e2e,
+   TTFT); capacity = upstream's output throughput at the highest concurrency in round 1 / output
+   length, then fixed for the run;
+4. per metric the median of per-round ratios against upstream with a bootstrap 95% CI
+   (vskipper.bench.paired), tables, one verdict line and a figure, written to --out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vskipper.bench import report
+from vskipper.bench.paired import round_orders
+from vskipper.bench.servers import System, memory_gb, start_all, stop, transform_line
+
+CLOSED_METRICS = ("tok_s", "tpot_ms")
+OPEN_METRICS = ("e2e_ms", "ttft_ms")
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int = 8  # at most; fewer when the time budget runs out, never fewer than min_rounds
+    min_rounds: int = 4
+    budget_s: float = 570.0  # the whole job, from `started` (calibration included): make demo <= 10 min
+    concurrencies: tuple[int, ...] = (8, 32)  # closed loop; one wave of `concurrency` requests per call
+    open_load: float = 0.75  # x upstream's capacity
+    open_requests: int = 12
+    output_len: int = 16  # pinned (ignore_eos)
+    questions: int = 32
+    answer_tokens: int = 64
+    seed: int = 0
+    max_total_tokens: int = 8192  # KV pool per server (FACTS: always pass it on CPU); 32 x (70 + 64) fits
+    # One CPU thread per server. Measured on this shared 2-CPU VM (2026-12-01, SmolLM2-135M, 24
+    # output tokens): with torch's default 2 threads a server ran 5-13x slower (4.5-8.6 tok/s at
+    # concurrency 8, 7.6-38 at 32) whenever another process held a core, its OpenMP threads
+    # waiting on each other; with 1 thread it held 43-45 and 92-100 tok/s alongside the same load.
+    server_threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("open_requests", "questions", "answer_tokens", "max_total_tokens", "server_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Settings.{name}={getattr(self, name)} must be >= 1")
+        if self.min_rounds < 3:
+            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 (a median and a CI need a few rounds)")
+        if self.rounds < self.min_rounds:
+            raise ValueError(f"Settings.rounds={self.rounds} must be >= min_rounds={self.min_rounds}")
+        if not self.concurrencies or any(c < 1 for c in self.concurrencies):
+            raise ValueError(f"Settings.concurrencies={self.concurrencies} must be non-empty, each >= 1")
+        if not 0 < self.open_load < 1.5:
+            raise ValueError(f"Settings.open_load={self.open_load} must be in (0, 1.5)")
+        if self.output_len < 4:
+            raise ValueError(f"Settings.output_len={self.output_len} must be >= 4 (SGLang's client minimum)")
+        if not self.budget_s > 0:
+            raise ValueError(f"Settings.budget_s={self.budget_s} must be > 0")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+
+
+def measure(res, load: str) -> dict:
+    if load.startswith("open"):
+        return {"e2e_ms": res.mean_e2e_ms, "ttft_ms": res.mean_ttft_ms, "tok_s": res.output_throughput}
+    return {"tok_s": res.output_throughput, "tpot_ms": res.mean_tpot_ms, "e2e_ms": res.mean_e2e_ms}
+
+
+def question_subset(n: int) -> list[dict]:
+    """n of the shipped arithmetic questions, spread evenly over the set."""
+    from vskipper.data import load
+
+    qs = load("arithmetic")
+    if n > len(qs):
+        raise ValueError(f"questions={n}: the shipped set has {len(qs)}")
+    return [qs[i * len(qs) // n] for i in range(n)]
+
+
+def run(systems: list[System], s: Settings, out: Path, started: float | None = None) -> str:
+    """started: time.perf_counter() when the job began (the demo's calibration counts against
+    s.budget_s); default now."""
+    import signal
+
+    from vskipper.bench.sglang_client import Client
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
+    if len({x.name for x in systems}) != len(systems) or len(systems) < 2:
+        raise ValueError(f"systems {[x.name for x in systems]}: need >= 2 with distinct names, the baseline first")
+    t_start = time.perf_counter() if started is None else started
+    deadline = t_start + s.budget_s
+    out.mkdir(parents=True, exist_ok=True)
+    names = [x.name for x in systems]
+    client = Client(systems[0].model_path, out)
+    closed = [f"concurrency {c}" for c in s.concurrencies]
+    open_label = f"open loop {s.open_load}x capacity"
+    metrics_of = {**{c: CLOSED_METRICS for c in closed}, open_label: OPEN_METRICS}
+    rounds = {load: {n: [] for n in names} for load in metrics_of}
+    failed = {load: {n: 0 for n in names} for load in metrics_of}
+    servers, transforms, orders, rate = {}, {}, [], None
+
+    def send(n: str, rows, **kw):
+        try:
+            return client.run(servers[n].url, rows, **kw)
+        except Exception as e:
+            code = servers[n].proc.poll()
+            if code is None:
+                raise
+            raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
+
+    try:
+        log(f"phase 1/4: starting {len(systems)} SGLang servers ({', '.join(names)}) in parallel, "
+            f"{s.server_threads} CPU thread(s) each")
+        with bar(len(systems), "servers up") as b:
+            servers = start_all(systems, out, s.max_total_tokens, on_ready=lambda n: b.update(1),
+                                threads=s.server_threads, log_level="info")
+        log("server memory (PSS): " + ", ".join(f"{n} {memory_gb(srv):.1f} GB" for n, srv in servers.items()))
+        for n, srv in servers.items():
+            transforms[n] = transform_line(srv)
+            if transforms[n]:
+                log(f"{n}: {transforms[n]}")
+
+        log(f"phase 2/4: quality (and warm-up): {s.questions} arithmetic questions, greedy, "
+            f"<= {s.answer_tokens} new tokens, through every server")
+        questions = question_subset(s.questions)
+        qrows = client.question_rows([q["prompt"] for q in questions], s.answer_tokens)
+        texts = {}
+        with bar(len(systems), "quality") as b:
+            for n in names:
+                res = send(n, qrows, concurrency=len(qrows), ignore_eos=False)
+                if res.completed != res.requests:
+                    bad = next(e for e in res.errors if e)
+                    raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: {bad[-500:]}")
+                texts[n] = res.texts
+                b.update(1)
+
+        log(f"phase 3/4: paired rounds ({s.min_rounds} to {s.rounds}, as the {s.budget_s:.0f} s budget allows) x "
+            f"{len(systems)} systems x {len(metrics_of)} loads, {s.output_len} output tokens per request")
+        with bar(s.rounds * len(systems) * len(metrics_of), "paired rounds") as b:
+            t_rounds = time.perf_counter()
+            for r, order in enumerate(round_orders(names, s.rounds, s.seed)):
+                per_round = (time.perf_counter() - t_rounds) / max(1, r)
+                if r >= s.min_rounds and time.perf_counter() + per_round + 10 > deadline:  # 10 s: stop, report
+                    log(f"time budget: stopping after {r} rounds ({per_round:.0f} s each)")
+                    break
+                orders.append(order)
+                rows = {c: client.prompt_rows(c, s.output_len, seed=s.seed + 1000 * r + c) for c in s.concurrencies}
+                for c, load in zip(s.concurrencies, closed):  # per load, the systems back to back
+                    for n in order:
+                        res = send(n, rows[c], concurrency=c)
+                        rounds[load][n].append(measure(res, load))
+                        failed[load][n] += res.requests - res.completed
+                        b.update(1)
+                if rate is None:
+                    top = rounds[closed[-1]][names[0]][0]["tok_s"]
+                    rate = s.open_load * top / s.output_len
+                    log(f"{names[0]} capacity at {closed[-1]}: {top:.1f} tok/s = {top / s.output_len:.2f} req/s; "
+                        f"open loop at {rate:.2f} req/s")
+                open_rows = client.prompt_rows(s.open_requests, s.output_len, seed=s.seed + 1000 * r + 7)
+                for n in order:
+                    res = send(n, open_rows, concurrency=None, rate=rate, seed=s.seed + r)
+                    rounds[open_label][n].append(measure(res, open_label))
+                    failed[open_label][n] += res.requests - res.completed
+                    b.update(1)
+                b.set_postfix_str(" ".join(f"{n}={rounds[closed[-1]][n][-1]['tok_s']:.0f}" for n in names))
+    finally:
+        for srv in servers.values():
+            stop(srv)
+
+    log("phase 4/4: report")
+    quality = {}
+    encode = lambda t: client.tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    base_ids = [encode(t) for t in texts[names[0]]]
+    for n in names:
+        correct = sum(report.last_integer(t) == int(q["answer"]) for t, q in zip(texts[n], questions))
+        same = sum(report.last_integer(b) is not None and report.last_integer(a) == report.last_integer(b)
+                   for a, b in zip(texts[n], texts[names[0]]))
+        quality[n] = {"correct": correct, "same": same, "questions": len(questions),
+                      "accuracy": correct / len(questions), "agreement": same / len(questions),
+                      "prefix": report.prefix_share([encode(t) for t in texts[n]], base_ids)}
+    d = report.deltas(rounds, names, metrics_of)
+    labels = {x.name: x.label for x in systems}
+    line = report.verdict(d, quality, names, labels, (closed[-1], "tok_s"), (open_label, "e2e_ms"))
+    wall = time.perf_counter() - t_start
+    header = (f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), "
+              f"quick paired run: {len(orders)} rounds, closed loop at concurrency {', '.join(map(str, s.concurrencies))} "
+              f"(one wave each), open loop {s.open_requests} requests at {rate:.2f} req/s "
+              f"({s.open_load}x upstream's capacity), {s.output_len} output tokens per request, "
+              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server; deltas: median of per-round ratios vs {names[0]} [bootstrap 95% CI]; "
+              f"{wall:.0f} s (servers included)")
+    curve = {n: sorted([(_median(rounds[c][n], "tok_s") / s.output_len, _median(rounds[c][n], "e2e_ms") / 1e3)
+                        for c in closed] + [(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]) for n in names}
+    fig = out / "serving-quick.png"
+    report.plot(rounds, d, names, curve, fig, f"SGLang vs SGLang + vskipper, {time.strftime('%Y-%m-%d')}, "
+                f"{platform.machine()} {os.cpu_count()} CPUs: {len(orders)} paired rounds, {s.output_len} output tokens, "
+                f"open loop at {rate:.2f} req/s")
+    text = (f"{header}\n\n{report.tables(rounds, d, names, metrics_of, failed)}\n\n"
+            f"{report.quality_table(quality, names)}\n\n{line}\n")
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({
+        "settings": asdict(s), "systems": [asdict(x) for x in systems], "transforms": transforms,
+        "open_rate": rate, "rounds": rounds,
+        "orders": orders, "failed": failed, "quality": quality, "verdict": line,
+        "deltas": {load: {n: {m: asdict(v) for m, v in dm.items()} for n, dm in dl.items()} for load, dl in d.items()},
+        "answers": {n: list(t) for n, t in texts.items()}, "wall_s": wall}, indent=1))
+    return text + f"plot: {fig}\n"
+
+
+def _median(rows: list[dict], metric: str) -> float:
+    import statistics
+
+    return statistics.median(r[metric] for r in rows)

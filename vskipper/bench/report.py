@@ -1,0 +1,152 @@
+"""What a quick paired run prints: tables of medians and paired deltas, the quality table, the
+one-line verdict, and the figure (latency against load beside the per-round ratios).
+
+`rounds[load][system]` is a list with one measurement per round (a dict of metric -> value);
+`quality[system]` holds accuracy and agreement with the baseline. The first system is the
+baseline every delta is taken against.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from vskipper.bench.paired import Delta, paired_delta
+
+__all__ = ["deltas", "last_integer", "plot", "tables", "verdict"]
+
+# metric -> (column title, short name, unit scale, format); every metric's delta is value / baseline - 1:
+# positive is better for tok/s, negative is better for the latencies.
+METRICS = {"tok_s": ("output tok/s", "tok/s", 1.0, "{:.1f}"), "tpot_ms": ("mean TPOT ms", "TPOT", 1.0, "{:.0f}"),
+           "e2e_ms": ("mean e2e s", "e2e", 1e-3, "{:.2f}"), "ttft_ms": ("mean TTFT s", "TTFT", 1e-3, "{:.2f}")}
+
+
+def last_integer(text: str) -> int | None:
+    """The answer a reply gives: its last integer (the rule of bench/quality.py)."""
+    found = re.findall(r"-?\d[\d,]*", text)
+    if not found:
+        return None
+    try:
+        return int(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of the reference tokens reproduced before the first divergence, over all references
+    (the greedy agreement of bench/quality.py)."""
+    same = total = 0
+    for g, r in zip(gen, ref):
+        n = 0
+        while n < min(len(g), len(r)) and g[n] == r[n]:
+            n += 1
+        same, total = same + n, total + len(r)
+    return same / max(1, total)
+
+
+def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]]) -> dict:
+    """{load: {system: {metric: Delta}}} for every system but the baseline (names[0])."""
+    base = names[0]
+    out = {}
+    for load, per_sys in rounds.items():
+        out[load] = {}
+        for name in names[1:]:
+            out[load][name] = {m: paired_delta([r[m] for r in per_sys[name]], [r[m] for r in per_sys[base]])
+                               for m in metrics_of[load]}
+    return out
+
+
+def _median(rows: list[dict], metric: str) -> float:
+    return statistics.median(r[metric] for r in rows)
+
+
+def tables(rounds: dict, d: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]],
+           failed: dict[str, dict[str, int]]) -> str:
+    """One markdown table per group of loads that share their metrics (closed loops, open loop)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for load in rounds:
+        groups.setdefault(metrics_of[load], []).append(load)
+    parts = []
+    for ms, loads in groups.items():
+        head = (["load", "system"] + [f"{METRICS[m][0]} (median)" for m in ms]
+                + [f"{METRICS[m][1]} vs {names[0]} [95% CI]" for m in ms] + ["failed"])
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for load in loads:
+            for name in names:
+                med = [METRICS[m][3].format(_median(rounds[load][name], m) * METRICS[m][2]) for m in ms]
+                dl = ["-"] * len(ms) if name == names[0] else [d[load][name][m].text() for m in ms]
+                rows.append("| " + " | ".join([load, name] + med + dl + [str(failed[load][name])]) + " |")
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
+
+
+def short(load: str) -> str:
+    """A tick label: "concurrency 32" -> "c=32", "open loop 0.75x capacity" -> "open 0.75x"."""
+    return load.replace("concurrency ", "c=").replace("open loop ", "open ").replace(" capacity", "")
+
+
+def quality_table(quality: dict, names: list[str]) -> str:
+    base = names[0]
+    rows = [f"| system | arithmetic accuracy | same answer as {base} | greedy agreement with {base} (tokens) |",
+            "|---|---|---|---|"]
+    for name in names:
+        q = quality[name]
+        rows.append(f"| {name} | {q['accuracy']:.1%} ({q['correct']}/{q['questions']}) | "
+                    f"{q['agreement']:.1%} ({q['same']}/{q['questions']}) | {q['prefix']:.1%} |")
+    return "\n".join(rows)
+
+
+def verdict(d: dict, quality: dict, names: list[str], labels: dict[str, str], headline: tuple[str, str],
+            latency: tuple[str, str] | None) -> str:
+    """`label: +x% tok/s [lo, hi] at concurrency 32, ...; next label: ...` (baseline excluded)."""
+    order = sorted(names[1:], key=lambda n: ("rate 0" in labels.get(n, ""), names.index(n)))  # rate 0 last
+    parts = []
+    for name in order:
+        load, metric = headline
+        s = f"{labels.get(name) or name}: {d[load][name][metric].text()} tok/s at {load}"
+        if latency is not None:
+            s += f", e2e {d[latency[0]][name][latency[1]].text()} at {latency[0]}"
+        q, b = quality[name], quality[names[0]]
+        s += (f", quality {q['accuracy']:.0%} arithmetic ({names[0]} {b['accuracy']:.0%}), "
+              f"{q['agreement']:.0%} same answers as {names[0]}, greedy agreement {q['prefix']:.0%}")
+        parts.append(s)
+    return "verdict: " + "; ".join(parts)
+
+
+def plot(rounds: dict, d: dict, names: list[str], curve: dict[str, list[tuple[float, float]]], path: Path,
+         title: str) -> None:
+    """Left: mean e2e latency against load (req/s: achieved for closed loops, offered for the open
+    loop), medians over rounds. Right: every round's ratio to the baseline, per metric, with the
+    median and its 95% CI."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        pts = sorted(curve[name])
+        ax1.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
+    ax1.set_xlabel("load (req/s)")
+    ax1.set_ylabel("mean end-to-end latency (s)")
+    ax1.set_title("latency against load")
+    ax1.legend(fontsize=8)
+    cats = [(load, m) for load in d for m in next(iter(d[load].values()))]
+    width = 0.8 / max(1, len(names) - 1)
+    for k, name in enumerate(names[1:]):
+        for i, (load, m) in enumerate(cats):
+            delta: Delta = d[load][name][m]
+            x = i + (k - (len(names) - 2) / 2) * width
+            ax2.scatter([x] * len(delta.ratios), [100 * r for r in delta.ratios], s=12, alpha=0.6,
+                        color=f"C{k + 1}", label=name if i == 0 else None)
+            ax2.errorbar([x], [100 * delta.median], yerr=[[100 * (delta.median - delta.lo)], [100 * (delta.hi - delta.median)]],
+                         fmt="_", markersize=14, capsize=4, color=f"C{k + 1}")
+    ax2.axhline(0, color="gray", lw=0.8)
+    ax2.set_xticks(range(len(cats)), [f"{METRICS[m][1]}\n{short(load)}" for load, m in cats], fontsize=7)
+    ax2.set_ylabel(f"per-round change vs {names[0]} (%)")
+    ax2.set_title("paired rounds: each dot one round; bar = median, 95% CI")
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
