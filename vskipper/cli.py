@@ -59,7 +59,7 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
     elif args.skipper:
         env["VSKIPPER_SKIPPER"] = args.skipper
     elif args.model_path is None and not env.get("VSKIPPER_SKIPPER"):
-        from vskipper.training.shipped import DEFAULT  # trained for the bundled model
+        from vskipper.skippers.shipped import DEFAULT  # trained for the bundled model
 
         env["VSKIPPER_SKIPPER"] = f"flexidepth:name={DEFAULT}"  # first contact: the bundled model, skipping
     if args.execution:

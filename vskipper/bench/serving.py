@@ -199,7 +199,7 @@ def main(argv=None, started: float | None = None) -> None:
     trained = None
     if model is None:
         from vskipper.models.smollm2 import smollm2_dir
-        from vskipper.training.shipped import DEFAULT
+        from vskipper.skippers.shipped import DEFAULT
 
         model = str(smollm2_dir())
         trained = f"flexidepth:name={DEFAULT}"  # trained for exactly this model
