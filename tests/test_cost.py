@@ -212,3 +212,15 @@ def test_calibrate_threads_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         calibrate.main(["--shape", "40,72", "--threads", "0"])
     assert "--threads 0: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_calibrations_are_kept_per_dtype():
+    import dataclasses
+
+    cost.save(synthetic())
+    assert cost.load("cpu", 40, 72, "bfloat16") is None  # an f32 table does not price a bf16 model
+    cost.save(dataclasses.replace(synthetic(), dtype="bfloat16"))
+    assert cost.load("cpu", 40, 72, "bfloat16").dtype == "bfloat16"
+    assert cost.load("cpu", 40, 72).dtype == "float32"  # both kept
+    with pytest.warns(UserWarning, match=r"\(hidden=40, intermediate=72, float16\).*--shape 40,72 --dtype float16"):
+        cost.warn_uncalibrated(torch.device("cpu"), 40, 72, "float16")

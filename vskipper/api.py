@@ -91,9 +91,9 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     calibration = None
     if config.execution == "auto":
         intermediate = getattr(model.config, "intermediate_size", hidden)
-        calibration = cost.load(device, hidden, intermediate)
+        calibration = cost.load(device, hidden, intermediate, cost.dtype_name(dtype))
         if calibration is None:
-            cost.warn_uncalibrated(device, hidden, intermediate)
+            cost.warn_uncalibrated(device, hidden, intermediate, cost.dtype_name(dtype))
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
         state.bodies[i], state.reasons[i] = make_body(config, device, calibration, skipper.expected_run_fraction)

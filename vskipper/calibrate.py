@@ -130,7 +130,7 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
-def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", ts=cost.GRID_T,
+def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", dtype=torch.float32, ts=cost.GRID_T,
             fs=cost.GRID_F, repeats: int = 6, passes: int = 3, context: int = 128,
             progress=True) -> tuple[cost.Calibration, LayerBench]:
     """The calibration table: per cell, dense's lower quartile, and routed as that times the paired
@@ -139,7 +139,7 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
     passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
     (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only."""
     device = torch.device(device)
-    bench = LayerBench(hidden, intermediate, heads, kv_heads, device, context=context)
+    bench = LayerBench(hidden, intermediate, heads, kv_heads, device, dtype=dtype, context=context)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rng = random.Random(0)
     rounds = {T: -(-repeats_at(T, repeats, short=32) // passes) for T in ts}  # per pass
@@ -161,7 +161,8 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
                       f"[{frac:.0%}, ETA {el / frac - el:.0f} s]", file=sys.stderr, flush=True)
     d = tuple(tuple(lower_quartile(dense[T, f]) for f in fs) for T in ts)  # a neighbour's load only adds time
     r = tuple(tuple(d[i][j] * statistics.median(ratios[T, f]) for j, f in enumerate(fs)) for i, T in enumerate(ts))
-    cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d, r)
+    cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d, r,
+                           cost.dtype_name(dtype))
     return cal, bench
 
 
@@ -182,6 +183,8 @@ def main(argv=None) -> None:
     ap.add_argument("--passes", type=int, default=3, help="sweeps of the grid; a cell's ratio is their median")
     ap.add_argument("--threads", type=int, help="torch threads to measure with (a calibration is kept per thread count; "
                                                 "default: this process's, %d)" % torch.get_num_threads())
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="dtype to time the layer in, as the model runs (default: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--export", help="also write the calibration to this directory (to ship it)")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -211,7 +214,8 @@ def main(argv=None) -> None:
           file=sys.stderr)
     if args.repeats < 1 or args.passes < 1:
         ap.error(f"--repeats and --passes must be >= 1 (got {args.repeats} and {args.passes})")
-    cal, _ = measure(*dims, device=device, repeats=args.repeats, passes=args.passes)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    cal, _ = measure(*dims, device=device, dtype=dtype, repeats=args.repeats, passes=args.passes)
     print(f"calibration cached in {cost.save(cal)}")
     if args.export:
         print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")

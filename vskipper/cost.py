@@ -84,6 +84,7 @@ class Calibration:
     fs: tuple
     dense: tuple  # ms, [len(ts)][len(fs)]
     routed: tuple
+    dtype: str = "float32"  # the dtype the layer was timed in (bf16 GEMMs and f32 ones differ in kind)
 
     @cached_property
     def _rows(self) -> list[tuple[list[float], float, list[float]]]:
@@ -133,7 +134,7 @@ class Calibration:
         return best
 
     def key(self) -> str:
-        return f"{self.device}|{self.hidden}x{self.intermediate}"
+        return f"{self.device}|{self.hidden}x{self.intermediate}|{self.dtype}"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -141,7 +142,11 @@ class Calibration:
     @classmethod
     def from_json(cls, d: dict) -> "Calibration":
         return cls(d["device"], d["versions"], d["hidden"], d["intermediate"], tuple(d["ts"]), tuple(d["fs"]),
-                   tuple(map(tuple, d["dense"])), tuple(map(tuple, d["routed"])))
+                   tuple(map(tuple, d["dense"])), tuple(map(tuple, d["routed"])), d.get("dtype", "float32"))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _file_name(device: str) -> str:
@@ -153,13 +158,14 @@ def save(cal: Calibration, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / _file_name(cal.device)
     entries = json.loads(path.read_text()) if path.is_file() else []
-    entries = [e for e in entries if (e["hidden"], e["intermediate"]) != (cal.hidden, cal.intermediate)]
+    entries = [e for e in entries if (e["hidden"], e["intermediate"], e.get("dtype", "float32"))
+               != (cal.hidden, cal.intermediate, cal.dtype)]
     path.write_text(json.dumps(entries + [cal.to_json()], indent=1))
     return path
 
 
-def load(device: torch.device | str, hidden: int, intermediate: int) -> Calibration | None:
-    """The calibration for this device and versions, nearest shape first; None if there is none."""
+def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str = "float32") -> Calibration | None:
+    """The calibration for this device, versions and dtype, nearest shape first; None if there is none."""
     name, ver = device_name(device), versions()
     found = []
     for directory in (cache_dir(), SHIPPED_DIR):
@@ -167,7 +173,7 @@ def load(device: torch.device | str, hidden: int, intermediate: int) -> Calibrat
         if not path.is_file():
             continue
         for e in json.loads(path.read_text()):
-            if e["device"] != name:
+            if e["device"] != name or e.get("dtype", "float32") != dtype:
                 continue
             why = cache.mismatch(e["versions"], ver)
             if why:
@@ -272,17 +278,18 @@ def _nondecreasing(ys: list[float]) -> list[float]:
     return [m for m, c in blocks for _ in range(c)]
 
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
-def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int) -> None:
+def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int, dtype: str = "float32") -> None:
     name = device_name(device)
-    if name in _warned:
+    if (name, dtype) in _warned:
         return
-    _warned.add(name)
+    _warned.add((name, dtype))
     others = _other_thread_counts(name)
     threads = f" --threads {torch.get_num_threads()}" if others else ""
     also = f" (there are calibrations of this CPU at other thread counts: {others})" if others else ""
-    warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}){also}; "
-                  f"execution='auto' runs the dense-masked body. Measure this device with "
-                  f"`vskipper calibrate --shape {hidden},{intermediate}{threads}` (or --model PATH).", stacklevel=3)
+    flag = "" if dtype == "float32" else f" --dtype {dtype}"
+    warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
+                  f"{dtype}){also}; execution='auto' runs the dense-masked body. Measure this device with "
+                  f"`vskipper calibrate --shape {hidden},{intermediate}{threads}{flag}` (or --model PATH).", stacklevel=3)
