@@ -275,7 +275,7 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     assert (q["correct"], q["same"], q["questions"], q["accuracy"], q["agreement"]) == (4, 4, 8, 0.5, 0.5)
     assert 0 < q["prefix"] < 1 and res["quality"]["fast"]["prefix"] == 1.0
     line = text.strip().splitlines()[-2]
-    assert line.startswith("verdict: Fast: +12.0% [+12.0%, +12.0%] tok/s at concurrency 8")
+    assert line.startswith("verdict: Fast: +12.0% [+12.0%, +12.0%] tok/s at concurrency 8, quality 100%")
     assert "Slow: -5.0% [-5.0%, -5.0%] tok/s" in line and "quality 50% arithmetic (upstream 100%)" in line
     assert (tmp_path / "serving-quick.png").stat().st_size > 10_000
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vskipper.bench.load import Result, throughput
-from vskipper.bench.servers import System, start, stop
+from vskipper.bench.servers import System, start_all, stop
 
 KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)
 LOADS = (0.75, 1.0, 1.25, math.inf)  # multiples of the knee; inf = saturation
@@ -137,10 +137,10 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     client = Client(systems[0].model_path, out)
     servers = {}
     try:
-        for sysm in systems:
-            log(f"starting {sysm.name} ({sysm.skipper or 'no skipper'})")
-            servers[sysm.name] = start(sysm, out, threads=QuickSettings().server_threads)  # why: see there
-            run_load(client, servers[sysm.name].url, math.inf, 4, 8, 0)  # warm up
+        log("starting " + ", ".join(f"{x.name} ({x.skipper or 'no skipper'})" for x in systems))
+        servers = start_all(systems, out, threads=QuickSettings().server_threads)  # why one thread: see there
+        for srv in servers.values():
+            run_load(client, srv.url, math.inf, 4, 8, 0)  # warm up
         knee, curve = find_knee(client, servers[systems[0].name], s)
         log(f"knee of upstream's load curve: {knee:.2f} req/s")
         loads = [(f"{f}x knee ({knee * f:.2f}/s)" if math.isfinite(f) else "saturation", knee * f) for f in LOADS]
