@@ -44,7 +44,7 @@ class Settings:
     questions: int = 32
     answer_tokens: int = 64
     seed: int = 0
-    max_total_tokens: int = 8192  # KV pool per server (FACTS: always pass it on CPU); 32 x (70 + 64) fits
+    max_total_tokens: int = 8192  # KV pool per server (unset, SGLang sizes it from free RAM); 32 x (70 + 64) fits
     # One CPU thread per server. Measured on this shared 2-CPU VM (2026-12-01, SmolLM2-135M, 24
     # output tokens): with torch's default 2 threads a server ran 5-13x slower (4.5-8.6 tok/s at
     # concurrency 8, 7.6-38 at 32) whenever another process held a core, its OpenMP threads

@@ -41,6 +41,7 @@ class Settings:
     repeats: int
     seed: int
     knee_fractions: tuple[float, ...] = KNEE_FRACTIONS
+    max_total_tokens: int = 16384  # KV pool per server: 48 x (70 + 64) tokens fit; four servers fit in 24 GiB
 
 
 def log(msg: str) -> None:
@@ -138,7 +139,7 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     servers = {}
     try:
         log("starting " + ", ".join(f"{x.name} ({x.skipper or 'no skipper'})" for x in systems))
-        servers = start_all(systems, out, threads=QuickSettings().server_threads)  # why one thread: see there
+        servers = start_all(systems, out, s.max_total_tokens, threads=QuickSettings().server_threads)  # why 1: there
         for srv in servers.values():
             run_load(client, srv.url, math.inf, 4, 8, 0)  # warm up
         knee, curve = find_knee(client, servers[systems[0].name], s)
