@@ -5,9 +5,9 @@ The full run (`python bench/serve.py`; the quick paired run behind `--quick` is 
 1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
    nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
    skipper under test; on the bundled SmolLM2-135M also vskipper-trained, the FlexiDepth skipper
-   shipped for it), all with --sleep-on-idle so idle ones stay off the CPU;
-   Requests are generated, sent and timed by SGLang's own benchmark client
-   (vskipper/bench/sglang_client.py), one CPU thread per server (see quick.Settings);
+   shipped for it), all with --sleep-on-idle so idle ones stay off the CPU, one CPU thread each
+   (see quick.Settings); requests are generated, sent and timed by SGLang's own benchmark client
+   (vskipper/bench/sglang_client.py);
 2. find the knee of upstream's load curve: the last offered rate whose output throughput still
    grows by >= 1% (rates are fractions of upstream's saturated capacity);
 3. run every system at 0.75x, 1x, 1.25x the knee and at saturation, with the same prompts, the same
