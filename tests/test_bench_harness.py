@@ -275,7 +275,7 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     assert (q["correct"], q["same"], q["questions"], q["accuracy"], q["agreement"]) == (4, 4, 8, 0.5, 0.5)
     assert 0 < q["prefix"] < 1 and res["quality"]["fast"]["prefix"] == 1.0
     line = text.strip().splitlines()[-2]
-    assert line.startswith("verdict: Fast: +12.0% [+12.0%, +12.0%] tok/s at concurrency 8")
+    assert line.startswith("verdict: Fast: +12.0% [+12.0%, +12.0%] tok/s at concurrency 8, quality 100%")
     assert "Slow: -5.0% [-5.0%, -5.0%] tok/s" in line and "quality 50% arithmetic (upstream 100%)" in line
     assert (tmp_path / "serving-quick.png").stat().st_size > 10_000
 
@@ -312,3 +312,30 @@ def test_quick_run_names_a_server_that_died_mid_run(monkeypatch, tmp_path):
     monkeypatch.setattr(FakeClient, "run", run)
     with pytest.raises(RuntimeError, match=r"server slow exited with -15 in the middle of the run \(see .*server-slow.log\)"):
         quick.run(systems, quick.Settings(questions=8), tmp_path)
+
+
+def test_start_all_interrupted_stops_every_server_it_launched(monkeypatch, tmp_path):
+    """A SIGTERM (here: Ctrl-C) while servers start must not leave the ones still starting behind."""
+    import threading
+    import time as _time
+
+    from vskipper.bench import servers
+
+    stopped, release = [], threading.Event()
+
+    def fake_start(system, log_dir, max_total_tokens, timeout, launched=None, **kw):
+        srv = type("Srv", (), {"name": system.name})()
+        launched.append(srv)
+        if system.name != "a":
+            release.wait(5)  # still "waiting for /health" when the interrupt comes
+        return srv
+
+    def interrupt(name):
+        _time.sleep(0.1)  # let the others launch
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(servers, "start", fake_start)
+    monkeypatch.setattr(servers, "stop", lambda srv: (stopped.append(srv.name), release.set()))
+    with pytest.raises(KeyboardInterrupt):
+        servers.start_all([System(n, "m") for n in "abc"], tmp_path, on_ready=interrupt)
+    assert sorted(stopped) == ["a", "b", "c"]

@@ -45,7 +45,7 @@ class Server:
 
 
 def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout: float = 300,
-          threads: int | None = None, log_level: str = "warning") -> Server:
+          threads: int | None = None, log_level: str = "warning", launched: list | None = None) -> Server:
     """Launch `python -m sglang.launch_server` for `system` and wait until /health answers.
     --sleep-on-idle keeps an idle server off the CPU, so several can stay up and be measured in
     turn on a small machine. threads: the server's CPU threads (OMP_NUM_THREADS; None: torch's
@@ -70,6 +70,8 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
     (log_dir / f"dist-store-{port}").unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(system, port, proc, log_path)
+    if launched is not None:  # so that a caller interrupted while we wait can stop it
+        launched.append(server)
     problem = wait_healthy(server.url, proc, timeout)
     if problem is None:
         return server
@@ -102,16 +104,22 @@ def start_all(systems: list[System], log_dir: Path, max_total_tokens: int = 3276
     on_ready(name) is called as each one becomes healthy; kwargs go to `start`."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    servers, errors = {}, []
+    servers, errors, launched = {}, [], []
     with ThreadPoolExecutor(len(systems)) as ex:
-        futures = {ex.submit(start, s, log_dir, max_total_tokens, timeout, **kwargs): s.name for s in systems}
-        for f in as_completed(futures):
-            try:
-                servers[futures[f]] = f.result()
-                if on_ready is not None:
-                    on_ready(futures[f])
-            except Exception as e:  # noqa: BLE001 - collected, the others stopped, then raised
-                errors.append(str(e))
+        futures = {ex.submit(start, s, log_dir, max_total_tokens, timeout, launched=launched, **kwargs): s.name
+                   for s in systems}
+        try:
+            for f in as_completed(futures):
+                try:
+                    servers[futures[f]] = f.result()
+                    if on_ready is not None:
+                        on_ready(futures[f])
+                except Exception as e:  # noqa: BLE001 - collected, the others stopped, then raised
+                    errors.append(str(e))
+        except BaseException:  # interrupted (SIGTERM, Ctrl-C) while servers start: none may outlive us
+            for srv in list(launched):
+                stop(srv)
+            raise
     if errors:
         for srv in servers.values():
             stop(srv)

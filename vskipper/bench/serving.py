@@ -5,9 +5,9 @@ The full run (`python bench/serve.py`; the quick paired run behind `--quick` is 
 1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
    nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
    skipper under test; on the bundled SmolLM2-135M also vskipper-trained, the FlexiDepth skipper
-   shipped for it), all with --sleep-on-idle so idle ones stay off the CPU;
-   Requests are generated, sent and timed by SGLang's own benchmark client
-   (vskipper/bench/sglang_client.py), one CPU thread per server (see quick.Settings);
+   shipped for it), all with --sleep-on-idle so idle ones stay off the CPU, one CPU thread each
+   (see quick.Settings); requests are generated, sent and timed by SGLang's own benchmark client
+   (vskipper/bench/sglang_client.py);
 2. find the knee of upstream's load curve: the last offered rate whose output throughput still
    grows by >= 1% (rates are fractions of upstream's saturated capacity);
 3. run every system at 0.75x, 1x, 1.25x the knee and at saturation, with the same prompts, the same
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vskipper.bench.load import Result, throughput
-from vskipper.bench.servers import System, start, stop
+from vskipper.bench.servers import System, start_all, stop
 
 KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)
 LOADS = (0.75, 1.0, 1.25, math.inf)  # multiples of the knee; inf = saturation
@@ -41,6 +41,7 @@ class Settings:
     repeats: int
     seed: int
     knee_fractions: tuple[float, ...] = KNEE_FRACTIONS
+    max_total_tokens: int = 16384  # KV pool per server: 48 x (70 + 64) tokens fit; four servers fit in 24 GiB
 
 
 def log(msg: str) -> None:
@@ -137,10 +138,10 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     client = Client(systems[0].model_path, out)
     servers = {}
     try:
-        for sysm in systems:
-            log(f"starting {sysm.name} ({sysm.skipper or 'no skipper'})")
-            servers[sysm.name] = start(sysm, out, threads=QuickSettings().server_threads)  # why: see there
-            run_load(client, servers[sysm.name].url, math.inf, 4, 8, 0)  # warm up
+        log("starting " + ", ".join(f"{x.name} ({x.skipper or 'no skipper'})" for x in systems))
+        servers = start_all(systems, out, s.max_total_tokens, threads=QuickSettings().server_threads)  # why 1: there
+        for srv in servers.values():
+            run_load(client, srv.url, math.inf, 4, 8, 0)  # warm up
         knee, curve = find_knee(client, servers[systems[0].name], s)
         log(f"knee of upstream's load curve: {knee:.2f} req/s")
         loads = [(f"{f}x knee ({knee * f:.2f}/s)" if math.isfinite(f) else "saturation", knee * f) for f in LOADS]
