@@ -1,7 +1,8 @@
 """Run by test_sglang.py in its own process: one decode step of a transformed SGLang model, then the
 same step padded by one row the way the CUDA-graph runner pads a batch up to a captured size
 (dummy token and position, request slot 0, sequence length 1, KV written to the pool's padding
-slot 0, the real count in `num_token_non_padded`), and once more without that count.
+slot 0, the real count in `num_token_non_padded`), once without that count (as for a dense model,
+where SGLang does not enable it), and a control: no count and the pad row given a real KV slot.
     python tests/padded_decode.py CHECKPOINT OUT.json"""
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def main(path: str, out: str) -> None:
             real = mr.forward(fb).logits_output.next_token_logits.clone()
         result["real"] = vskipper.stats(model, reset=True)
 
-        def padded(count):
+        def padded(count, pad_slot=0):
             p = copy.copy(fb)
             one = lambda t, v: torch.cat([t, t.new_full((1,), v)])  # noqa: E731
             p.batch_size = fb.batch_size + 1
             p.input_ids, p.positions = one(fb.input_ids, 0), one(fb.positions, 0)
-            p.req_pool_indices, p.out_cache_loc = one(fb.req_pool_indices, 0), one(fb.out_cache_loc, 0)
+            p.req_pool_indices, p.out_cache_loc = one(fb.req_pool_indices, 0), one(fb.out_cache_loc, pad_slot)
             p.seq_lens = one(fb.seq_lens, 1)
             if fb.seq_lens_cpu is not None:
                 p.seq_lens_cpu = one(fb.seq_lens_cpu, 1)
@@ -58,6 +59,7 @@ def main(path: str, out: str) -> None:
         result["max_abs_diff_real_rows"] = (logits[:3] - real).abs().max().item()
         result["rows"] = logits.shape[0]
         _, result["padded_without_count"] = padded(None)
+        _, result["control"] = padded(None, pad_slot=int(fb.out_cache_loc[0]))
 
     from vskipper.models.smollm2 import smollm2_dir
 

@@ -134,29 +134,19 @@ class SGLangSlot(nn.Module):
         return self.layers[self.key](hidden_states, positions=positions, forward_batch=forward_batch)
 
 
-_warned_padding = False
-
-
 def valid_rows(forward_batch, T: int, device) -> torch.Tensor:
-    """[T] bool: the rows that are tokens. The CUDA-graph runner pads a batch up to a captured size
-    and, where SGLang enables it, says how many rows are real in `num_token_non_padded` (a device
-    scalar: no host sync, and read at every replay); eager batches carry the host count. A graph
-    being captured without the device count cannot know its padding: then every row counts as a
-    token, with one warning (SGLang 0.5.23 enables the count for MoE/DP models only)."""
-    global _warned_padding
+    """[T] bool: the rows that are tokens, without a host sync (read at every replay of a graph).
+    The CUDA-graph runner pads a batch up to a captured size; where SGLang enables it, it gives the
+    real count in `num_token_non_padded`; otherwise its padding convention tells: padded rows write
+    their K/V to the pool's reserved padding slot 0 (`out_cache_loc == 0`), which no token is ever
+    given."""
     n = getattr(forward_batch, "num_token_non_padded", None)
-    if n is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        if not _warned_padding:
-            _warned_padding = True
-            import logging
-
-            logging.getLogger("vskipper").warning(
-                "vskipper: SGLang keeps no device-side count of real tokens for this model "
-                "(num_token_non_padded), so rows a captured decode graph pads are routed and counted in stats")
-    elif n is None:
-        n = getattr(forward_batch, "global_num_token_non_padded_cpu", None)
-    rows = torch.arange(T, device=device)
-    return rows < n if n is not None else torch.ones(T, dtype=torch.bool, device=device)
+    if n is not None:
+        return torch.arange(T, device=device) < n
+    loc = getattr(forward_batch, "out_cache_loc", None)
+    if loc is not None and loc.shape[0] == T:
+        return loc != 0
+    return torch.ones(T, dtype=torch.bool, device=device)
 
 
 class SGLangRoutedLayer(nn.Module):
