@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 import vskipper
+from vskipper.bench.report import last_integer, prefix_share  # a reply's answer; greedy agreement
 from vskipper.data import load
 from vskipper.training.data import chat_ids, generate_greedy, right_pad, split_prompts
 
@@ -57,16 +57,6 @@ def skip_ratio(model) -> float | None:
     return sum(s["project"] for s in st.values()) / max(1, tokens)
 
 
-def last_integer(text: str) -> int | None:
-    found = re.findall(r"-?\d[\d,]*", text)
-    if not found:
-        return None
-    try:
-        return int(found[-1].replace(",", ""))
-    except ValueError:
-        return None
-
-
 @torch.no_grad()
 def teacher_forced(models: dict, base, seqs: list[list[int]], n_prompt: list[int], batch_size: int) -> dict:
     """Per model: (top-1 agreement, mean KL) over answer positions, and the skip ratio."""
@@ -89,17 +79,6 @@ def teacher_forced(models: dict, base, seqs: list[list[int]], n_prompt: list[int
             s[1] += float((p.exp() * (p - q)).sum())
             s[2] += int(ans.sum())
     return {name: (s[0] / s[2], s[1] / s[2], skip_ratio(models[name])) for name, s in sums.items()}
-
-
-def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
-    """Share of the reference tokens reproduced before the first divergence, over all references."""
-    same = total = 0
-    for g, r in zip(gen, ref):
-        n = 0
-        while n < min(len(g), len(r)) and g[n] == r[n]:
-            n += 1
-        same, total = same + n, total + len(r)
-    return same / max(1, total)
 
 
 def main(argv=None) -> None:

@@ -22,7 +22,7 @@ METRICS = {"tok_s": ("output tok/s", "tok/s", 1.0, "{:.1f}"), "tpot_ms": ("mean 
 
 
 def last_integer(text: str) -> int | None:
-    """The answer a reply gives: its last integer (the rule of bench/quality.py)."""
+    """The answer a reply gives: its last integer (bench/quality.py scores with it too)."""
     found = re.findall(r"-?\d[\d,]*", text)
     if not found:
         return None
@@ -34,7 +34,7 @@ def last_integer(text: str) -> int | None:
 
 def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
     """Share of the reference tokens reproduced before the first divergence, over all references
-    (the greedy agreement of bench/quality.py)."""
+    (the greedy agreement; bench/quality.py uses it too)."""
     same = total = 0
     for g, r in zip(gen, ref):
         n = 0
