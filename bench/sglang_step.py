@@ -27,6 +27,7 @@ SYSTEMS = {  # name -> (skipper spec or None for upstream, execution)
     "upstream": (None, None),
     "rate0-dense": ("random:rate=0,layers=15-29,seed=0", "dense"),
     "rate0-routed": ("random:rate=0,layers=15-29,seed=0", "routed"),
+    "rate0-auto": ("random:rate=0,layers=15-29,seed=0", "auto"),
     "skip0.5-routed": ("random:rate=0.5,layers=15-29,seed=0", "routed"),
 }
 
