@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from vskipper.models.hf_loader import save_checkpoint
 
-from sglang_util import engine, greedy
-from test_sglang import NEW, check_against_reference, prompt_set
+from sglang_util import engine
+from test_sglang import check_against_reference
 from tiny import flexidepth_for, tiny_llama, tiny_qwen3
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
