@@ -62,7 +62,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     skipper: a `vskipper.Skipper` (FlexiDepth, RandomSkip, Static, ...); its routed layer indices
              must exist in the model (ValueError otherwise). It is moved to the model's device
              and dtype and attached as `model.vskipper.skipper`.
-    config:  `vskipper.Config(execution="auto" | "dense" | "routed", impl=...)`; every choice
+    config:  `vskipper.Config(execution="auto" | "dense" | "routed" | "routed-mlp", impl=...)`; every choice
              computes the same function. "auto" uses the cost model measured by `vskipper calibrate`
              on this device; with no calibration it runs dense-masked and warns once.
 
