@@ -1,0 +1,171 @@
+"""Per-request control (vskipper/control.py): the field's validation, the cap applied to a routed
+layer's decisions, and, in real SGLang 0.5.23 on CPU, mixed batches where a `skip: false` request
+gets upstream SGLang's greedy tokens, a `max_skip` request the eager reference's under its cap and
+stays within it, and their neighbours the eager reference's."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from vskipper.control import COUNTS, SETTINGS, RequestCap, RequestControl, parse
+from vskipper.guard import NoHostSync
+
+NEW = 12
+
+
+# --- the field ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, max_skip", [(None, 1.0), ({}, 1.0), ({"skip": True}, 1.0), ({"skip": False}, 0.0),
+                                             ({"max_skip": 0.25}, 0.25), ({"max_skip": 0}, 0.0), ({"max_skip": 1}, 1.0),
+                                             ({"skip": False, "max_skip": 0}, 0.0), ({"skip": True, "max_skip": 0.5}, 0.5)])
+def test_good_settings(value, max_skip):
+    assert parse(value) == RequestControl(max_skip)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"max_skip": 1.5}, r"vskipper.max_skip must be a number in \[0, 1\], got 1.5"),
+    ({"max_skip": -0.1}, r"vskipper.max_skip must be a number in \[0, 1\], got -0.1"),
+    ({"max_skip": math.nan}, r"vskipper.max_skip must be a number in \[0, 1\], got nan"),
+    ({"max_skip": "0.2"}, r"vskipper.max_skip must be a number in \[0, 1\], got '0.2'"),
+    ({"max_skip": True}, r"vskipper.max_skip must be a number in \[0, 1\], got True"),
+    ({"skip": "no"}, r"vskipper.skip must be true or false, got 'no'"),
+    ({"skip": 0}, r"vskipper.skip must be true or false, got 0"),
+    ({"skip": False, "max_skip": 0.3}, r"vskipper: skip false and max_skip 0.3 disagree"),
+    ({"skips": False}, r"vskipper.skips is not a field; the fields are skip, max_skip"),
+    (False, r"vskipper must be an object such as"),
+    ([0.2], r"vskipper must be an object such as"),
+])
+def test_bad_settings_name_the_field(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse(value)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=5),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(["skip", "max_skip", "x"]), c,
+                                                                        max_size=3), max_leaves=6))
+def test_fuzzed_settings_raise_only_value_error_naming_the_field(value):
+    try:
+        c = parse(value)
+    except ValueError as e:
+        assert str(e).startswith("vskipper"), str(e)
+    else:
+        assert 0.0 <= c.max_skip <= 1.0
+
+
+@given(st.floats(0, 1), st.integers(1, 80))
+def test_budget_never_exceeds_the_cap(max_skip, n_layers):
+    k = RequestControl(max_skip).budget(n_layers)
+    assert 0 <= k <= n_layers and k / n_layers <= max_skip
+    assert k == n_layers or (k + 1) / n_layers > max_skip  # and it is the largest that fits
+
+
+# --- the cap on one layer's decisions ------------------------------------------------------------
+def test_cap_forces_run_with_gate_one_deepest_first_and_counts_per_setting():
+    n = 4
+    g = torch.tensor([0.1, 0.9, 0.2, 0.3, 0.7, 0.4])
+    run = g > 0.5
+    bad = torch.zeros(6, dtype=torch.bool)
+    valid = torch.tensor([True, True, True, True, True, False])
+    budget = torch.tensor([4, 4, 0, 2, 0, 0], dtype=torch.int32)  # default, default, no_skip, capped, no_skip, padding
+    for rank in range(n):
+        cap = RequestCap(rank, n)
+        with NoHostSync(f"cap at rank {rank}"):
+            g2, run2, bad2 = cap((g, run, bad), valid, budget)
+        forced = budget <= rank
+        assert torch.equal(run2, run | forced) and bad2 is bad
+        assert torch.equal(g2, torch.where(forced, torch.ones_like(g), g))
+        counts = dict(zip(SETTINGS, (dict(zip(COUNTS, r)) for r in cap.counts.tolist())))
+        assert counts["default"] == dict(tokens=2, run=1, project=1, forced=0)
+        assert counts["no_skip"] == dict(tokens=2, run=2, project=0, forced=2)  # the padding row is not counted
+        capped_forced = int(rank >= 2)
+        assert counts["capped"] == dict(tokens=1, run=capped_forced, project=1 - capped_forced, forced=capped_forced)
+    assert RequestCap(0, n)((g, run, bad), valid, None) == (g, run, bad)  # no budgets: the decisions as made
+
+
+# --- real SGLang on CPU ------------------------------------------------------------------------
+def sampling(setting=None) -> dict:
+    sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    if setting is not None:
+        sp["custom_params"] = {"vskipper": setting}
+    return sp
+
+
+def generate(eng, prompts, settings):
+    outs = eng.generate(input_ids=[p.tolist() for p in prompts], sampling_params=[sampling(s) for s in settings])
+    return [o["output_ids"] for o in outs]
+
+
+def last_setting_stats(err: str) -> dict[str, tuple[float, int, int]]:
+    """{setting: (skip ratio, tokens, forced)} from the last stats line the server logged."""
+    lines = [x for x in err.splitlines() if "by request setting:" in x]
+    assert lines, err[-3000:]
+    found = re.findall(r"(\w+) ([\d.]+) over (\d+) \(forced to run (\d+)\)", lines[-1].split("by request setting:")[1])
+    return {s: (float(r), int(t), int(f)) for s, r, t, f in found}
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("static", ["0", "1"])
+def test_mixed_batch_opted_out_request_is_upstream_and_neighbours_are_the_reference(tmp_path, capfd, static):
+    """One batch of six requests: default, skip false and max_skip 0.25 (1 of the 4 routed layers may
+    be skipped) mixed. Then a second batch whose skip-false requests extend prefixes that default
+    requests put in the radix cache. static=1: the graph-safe body (fixed shapes, the decode budgets
+    read from the fixed buffer) under the host-sync guard."""
+    from vskipper.models.hf_loader import save_checkpoint
+    from vskipper.reference import reference_generate
+
+    from sglang_util import engine
+    from tiny import VOCAB, flexidepth_for, tiny_llama
+
+    base = tiny_llama()
+    sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft")
+    path = save_checkpoint(tmp_path / "ckpt", base, sk)
+    base.save_pretrained(tmp_path / "stock", safe_serialization=True)
+    g = torch.Generator().manual_seed(7)
+    first = [torch.randint(1, VOCAB, (n,), generator=g) for n in (5, 11, 3, 17, 8, 1)]
+    second = [torch.cat([first[i], torch.randint(1, VOCAB, (4,), generator=g)]) for i in (0, 2, 3)]
+    opt_out, capped = {"skip": False}, {"max_skip": 0.25}
+    settings1 = [None, opt_out, None, capped, opt_out, capped]
+    settings2 = [opt_out, opt_out, None]
+    with engine(tmp_path / "stock") as eng:
+        upstream1, upstream2 = generate(eng, first, [None] * 6), generate(eng, second, [None] * 3)
+    env = dict(VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES=static, VSKIPPER_STATS_INTERVAL="1")
+    if static == "1":
+        env["VSKIPPER_CHECK_SYNC"] = "1"
+    with engine(path, log_level="info", **env) as eng:
+        capfd.readouterr()
+        out1 = generate(eng, first, settings1)
+        stats1 = last_setting_stats(capfd.readouterr().err)
+        generate(eng, first, [None] * 6)  # the prefixes, computed with skipping, in the radix cache
+        out2 = generate(eng, second, settings2)
+    budgets = {None: None, "skip": 0, "max_skip": 1}  # of 4 routed layers
+    for prompts, settings, outs, upstream in ((first, settings1, out1, upstream1), (second, settings2, out2, upstream2)):
+        for p, s, out, up in zip(prompts, settings, outs, upstream):
+            if s is opt_out:
+                assert out == up, f"skip false, prompt of {len(p)}: {out} != upstream {up}"
+            else:
+                ref = reference_generate(base, sk, p, NEW, budgets[None if s is None else next(iter(s))])[0]
+                assert out == ref[len(p):].tolist(), f"{s}, prompt of {len(p)}: {out} != reference"
+    skipped = [reference_generate(base, sk, p, NEW)[0][len(p):].tolist() for p in first]
+    assert any(skipped[i] != upstream1[i] for i in (1, 4)), "the skipper changes no opted-out answer: a vacuous test"
+    # measured: the capped requests skip at most 1 of 4 routed layers; their neighbours skip more
+    assert stats1["capped"][0] <= 0.25 and stats1["capped"][0] > 0, stats1
+    assert stats1["default"][0] > 0.25 and stats1["default"][2] == 0, stats1
+    assert stats1["no_skip"][0] == 0 and stats1["no_skip"][2] == stats1["no_skip"][1] > 0, stats1
+
+
+@pytest.mark.sglang
+def test_bad_settings_through_the_engine_name_the_field(tmp_path):
+    from sglang_util import engine
+    from tiny import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "stock", safe_serialization=True)
+    with engine(tmp_path / "stock", VSKIPPER_SKIPPER="random:rate=0.5,layers=1-4,seed=0") as eng:
+        for bad, message in (({"max_skip": 2}, r"sampling_params.custom_params.vskipper.max_skip must be a number"),
+                             ({"skip": "false"}, r"sampling_params.custom_params.vskipper.skip must be true or false")):
+            with pytest.raises(ValueError, match=message):
+                eng.generate(input_ids=[3, 5, 7], sampling_params=sampling(bad))
+        ok = eng.generate(input_ids=[3, 5, 7], sampling_params=sampling({"max_skip": 0.5}))
+        assert len(ok["output_ids"]) == NEW
