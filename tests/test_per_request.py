@@ -169,3 +169,26 @@ def test_bad_settings_through_the_engine_name_the_field(tmp_path):
                 eng.generate(input_ids=[3, 5, 7], sampling_params=sampling(bad))
         ok = eng.generate(input_ids=[3, 5, 7], sampling_params=sampling({"max_skip": 0.5}))
         assert len(ok["output_ids"]) == NEW
+
+
+# --- the serving benchmark's system "vskipper, half the requests opted out" --------------------
+def test_benchmark_opts_out_every_other_request_on_the_vskipper_server():
+    from sglang.benchmark.datasets.common import DatasetRow
+
+    from vskipper.bench.serving import server_of
+    from vskipper.bench.servers import System
+    from vskipper.bench.sglang_client import opt_out
+
+    rows = [DatasetRow(prompt=[1, 2, i], prompt_len=3, output_len=8) for i in range(6)]
+    out = opt_out(rows, 0.5)
+    sent = [r.extra_request_body for r in out]
+    assert [bool(b) for b in sent] == [False, True] * 3
+    assert sent[1] == {"sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True,
+                                           "custom_params": {"vskipper": {"skip": False}}}}
+    assert [r.prompt for r in out] == [r.prompt for r in rows] and not rows[1].extra_request_body  # copies
+    assert sum(bool(r.extra_request_body) for r in opt_out(rows * 5, 0.2)) == 6
+    with pytest.raises(ValueError, match="share=1.5"):
+        opt_out(rows, 1.5)
+    systems = [System("upstream", "m"), System("vskipper", "m", "random:rate=0.5,layers=1"),
+               System("vskipper-half-opted-out", "m", "random:rate=0.5,layers=1", opted_out=0.5)]
+    assert server_of(systems) == {"upstream": "upstream", "vskipper": "vskipper", "vskipper-half-opted-out": "vskipper"}
