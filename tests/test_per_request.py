@@ -192,3 +192,92 @@ def test_benchmark_opts_out_every_other_request_on_the_vskipper_server():
     systems = [System("upstream", "m"), System("vskipper", "m", "random:rate=0.5,layers=1"),
                System("vskipper-half-opted-out", "m", "random:rate=0.5,layers=1", opted_out=0.5)]
     assert server_of(systems) == {"upstream": "upstream", "vskipper": "vskipper", "vskipper-half-opted-out": "vskipper"}
+
+
+# --- the HTTP server: OpenAI routes, /generate, 400s, /metrics per setting ----------------------
+def setting_metrics(url: str) -> dict[tuple[str, str], float]:
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    out = {}
+    for m in re.finditer(r'^vskipper_request_setting_tokens_total\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[labels["setting"], labels["route"]] = float(m.group(2))
+    return out
+
+
+@pytest.mark.sglang
+def test_http_routes_take_the_field_refuse_bad_values_with_400_and_metrics_split_by_setting(tmp_path):
+    """`vskipper serve` (the bundled SmolLM2-135M and its shipped FlexiDepth skipper): the field through
+    the OpenAI client's extra_body on /v1/completions and /v1/chat/completions and in /generate's
+    sampling params; bad values are 400s naming the field (streamed too), the server keeps serving;
+    /metrics counts per setting; the benchmark client's opted-out requests reach the server as such."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+    import requests
+
+    from vskipper.bench.servers import free_port, wait_healthy
+    from vskipper.bench.sglang_client import Client, opt_out
+    from vskipper.models.smollm2 import smollm2_dir
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "vskipper.cli", "serve", "--port", str(port), "--stats-interval", "1",
+                             "--enable-metrics", "--max-total-tokens", "4096"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+    try:
+        problem = wait_healthy(url, proc, 300)
+        assert problem is None, problem + open(tmp_path / "server.log").read()[-3000:]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        r = client.completions.create(model="default", prompt="1, 2, 3, 4,", max_tokens=8, temperature=0,
+                                      extra_body={"vskipper": {"skip": False}})
+        assert r.usage.completion_tokens == 8
+        m = setting_metrics(url)
+        assert m.get(("no_skip", "forced"), 0) > 0 and m.get(("no_skip", "project"), 0) == 0, m
+        c = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Name a colour."}],
+                                           max_tokens=8, temperature=0,
+                                           extra_body={"vskipper": {"max_skip": 0.2}, "ignore_eos": True})
+        assert c.usage.completion_tokens == 8
+        m = setting_metrics(url)
+        capped = m.get(("capped", "run"), 0) + m.get(("capped", "project"), 0)
+        assert capped > 0 and m.get(("capped", "project"), 0) <= 0.2 * capped and m[("capped", "forced")] > 0, m
+        assert m.get(("default", "project"), 0) > 0.2 * (m.get(("default", "run"), 0) + m.get(("default", "project"), 0)), m
+
+        for bad, field in (({"max_skip": 2}, "vskipper.max_skip"), ({"skip": "no"}, "vskipper.skip"),
+                           ({"speed": 1}, "vskipper.speed is not a field"), ("fast", "vskipper must be an object")):
+            with pytest.raises(openai.BadRequestError, match=re.escape(field)):
+                client.completions.create(model="default", prompt="Hi", max_tokens=4, extra_body={"vskipper": bad})
+            with pytest.raises(openai.BadRequestError, match=re.escape(field)):
+                client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=4, stream=True, extra_body={"vskipper": bad})
+        with pytest.raises(openai.BadRequestError, match="custom_params.vskipper.max_skip"):
+            client.completions.create(model="default", prompt="Hi", max_tokens=4,
+                                      extra_body={"custom_params": {"vskipper": {"max_skip": -1}}})
+        sp = {"max_new_tokens": 4, "temperature": 0}
+        bad = requests.post(url + "/generate", json={"text": "Hi", "sampling_params": {
+            **sp, "custom_params": {"vskipper": {"max_skip": 1.5}}}}, timeout=60)
+        assert bad.status_code == 400 and "sampling_params.custom_params.vskipper.max_skip" in bad.text, bad.text
+        good = requests.post(url + "/generate", json={"text": "Hi", "sampling_params": {
+            **sp, "custom_params": {"vskipper": {"skip": False}}}}, timeout=60)
+        assert good.status_code == 200, good.text
+
+        before = setting_metrics(url)
+        bench = Client(str(smollm2_dir()), tmp_path / "bench")
+        res = bench.run(url, opt_out(bench.prompt_rows(4, 8, 0), 0.5), concurrency=None)
+        assert res.completed == 4, res.errors
+        after = setting_metrics(url)
+        assert after[("no_skip", "forced")] > before[("no_skip", "forced")]
+        assert after[("default", "run")] + after[("default", "project")] > before[("default", "run")] + before[("default", "project")]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
