@@ -138,15 +138,22 @@ def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> di
     by_setting=True: the same rows split by what their request chose (vskipper/control.py), where the
     engine passes per-request settings (SGLang): {setting: {layer: {"tokens", "run", "project",
     "forced"}}}, setting "default" (no cap), "capped" (max_skip below 1 but above 0 layers) or
-    "no_skip" (skip false, or a cap of 0 layers); "forced" counts rows forced to RUN by the setting. reset zeroes the counts returned."""
+    "no_skip" (skip false, or a cap of 0 layers); "forced" counts rows forced to RUN by the setting.
+    reset zeroes the counts returned (by_setting: the caps' and the route counters')."""
     state = _state(model)
-    if by_setting:
+    if by_setting:  # the caps count the rows with a setting; "default" is the rest of the layer's rows
         out = {s: {} for s in SETTINGS}
         for key, cap in state.caps.items():
-            for s, row in zip(SETTINGS, cap.counts.tolist()):
-                out[s][int(key)] = dict(zip(COUNTS, row))
+            layer = int(key)
+            rows = dict(zip(SETTINGS, cap.counts.tolist()))
+            total = dict(zip(RouteCounter.FIELDS, state.counters[key].counts.tolist()))
+            rows["default"] = [total[c] - sum(rows[s][i] for s in SETTINGS[1:]) if c in total else 0
+                               for i, c in enumerate(COUNTS)]
+            for s in SETTINGS:
+                out[s][layer] = dict(zip(COUNTS, rows[s]))
             if reset:
                 cap.counts.zero_()
+                state.counters[key].counts.zero_()
         return out
     out = {}
     for key, counter in state.counters.items():

@@ -71,8 +71,10 @@ def parse(value, where: str = FIELD) -> RequestControl:
 
 class RequestCap(nn.Module):
     """At routed layer `rank` (0 = the skipper's shallowest) of `n_layers`: rows whose budget is
-    <= rank RUN with g = 1. Counts, per setting (SETTINGS) and on the device, the real rows, those that
-    RUN, those that skip and those forced to RUN (whatever the router said)."""
+    <= rank RUN with g = 1. Counts, per setting other than "default" (SETTINGS) and on the device,
+    the real rows, those that RUN, those that skip and those forced to RUN (whatever the router
+    said). The engine may leave the cap out of a batch in which no request has a setting, so the
+    "default" rows are what the layer's RouteCounter counted less these (vskipper.stats)."""
 
     def __init__(self, rank: int, n_layers: int) -> None:
         super().__init__()
@@ -90,6 +92,7 @@ class RequestCap(nn.Module):
         run = run | forced
         setting = (budget < self.n_layers).long() + (budget <= 0).long()  # [T]: index into SETTINGS
         rows = torch.stack([valid, run & valid, valid & ~run, forced & valid], 1).reshape(-1, len(COUNTS))
+        rows = rows & (setting > 0).reshape(-1, 1)  # "default" rows: counted by the RouteCounter
         self.counts.index_add_(0, setting.reshape(-1), rows.long())
         return g, run, nonfinite
 

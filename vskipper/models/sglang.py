@@ -149,15 +149,23 @@ def valid_rows(forward_batch, T: int, device) -> torch.Tensor:
     return torch.ones(T, dtype=torch.bool, device=device)
 
 
-def request_budgets(fixed: torch.Tensor | None, T: int) -> torch.Tensor | None:
-    """[T] int32: per row, how many routed layers its request may skip (vskipper/control.py), or None
-    (no per-request control installed). `fixed` is one device buffer that the plugin fills for each
-    batch before its forward (integrations/sglang/requests.py): SGLang's runners hand the model a
-    copy of the ForwardBatch they were given, so the budgets cannot travel on it; and a captured graph
-    reads the buffer at every replay (rows the graph runner pads read stale entries, which matter to
-    no one: padding is never routed or counted)."""
-    if fixed is None:
+def request_budgets(budgets, T: int) -> torch.Tensor | None:
+    """[T] int32: per row, how many routed layers its request may skip (vskipper/control.py), or None:
+    no per-request control installed, or an eager batch in which no request has a setting (the
+    common case costs no cap at all). `budgets` (integrations/sglang/requests.py: BatchBudgets) holds
+    one device buffer that the plugin fills for each batch before its forward: SGLang's runners hand
+    the model a copy of the ForwardBatch they were given, so the budgets cannot travel on it. While
+    SGLang captures a graph the cap is always in it, and the graph reads the buffer at every replay
+    (rows the graph runner pads read stale entries, which matter to no one: padding is never routed
+    or counted)."""
+    if budgets is None:
         return None
+    if not budgets.active:
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+
+        if not get_is_capture_mode():
+            return None
+    fixed = budgets.rows
     if T > fixed.shape[0]:
         raise RuntimeError(f"vskipper: a batch of {T} rows, more than the {fixed.shape[0]} rows of the "
                            f"per-request budget buffer")
@@ -176,7 +184,7 @@ class SGLangRoutedLayer(nn.Module):
             self.add_module(name, child)
         self.layer_id = getattr(layer.self_attn.attn, "layer_id", None)
         object.__setattr__(self, "_vskipper_layer", graph)
-        self.budget_buffer = None  # [N] int32, set by the plugin: the batch's per-row budgets (request_budgets)
+        self.budgets = None  # set by the plugin: the batches' per-row budgets (request_budgets)
 
     def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
@@ -188,7 +196,7 @@ class SGLangRoutedLayer(nn.Module):
         if capture_output is not None:
             capture_output(h)
         valid = valid_rows(forward_batch, h.shape[0], h.device)
-        budget = request_budgets(self.budget_buffer, h.shape[0])
+        budget = request_budgets(self.budgets, h.shape[0])
         out = self._vskipper_layer(h, forward_batch.input_ids, positions, valid, budget, forward_batch)
         return residual_batch.set_written(out, forward_batch)
 

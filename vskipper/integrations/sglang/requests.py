@@ -90,9 +90,10 @@ class BatchBudgets:
 
         self.n_layers = len(model.vskipper.skipper.layers)
         self.rows = torch.full((rows,), self.n_layers, dtype=torch.int32, device=model.vskipper.device)
+        self.active = False  # does the batch being run have a request with a setting (host side)
         for layer in model.model.layers:
             if isinstance(layer, SGLangRoutedLayer):
-                layer.budget_buffer = self.rows
+                layer.budgets = self
 
     def budget(self, req) -> int:
         b = getattr(req, "_vskipper_budget", None)
@@ -116,7 +117,8 @@ class BatchBudgets:
         mode = forward_batch.forward_mode
         budgets = [self.budget(r) for r in batch.reqs] if mode in (ForwardMode.DECODE, ForwardMode.EXTEND,
                                                                    ForwardMode.MIXED) else []
-        if all(b == self.n_layers for b in budgets):
+        self.active = any(b != self.n_layers for b in budgets)
+        if not self.active:
             self.rows[:T].fill_(self.n_layers)
             return
         lens = [1] * len(budgets) if mode == ForwardMode.DECODE else batch.extend_lens
