@@ -191,7 +191,7 @@ def main(argv=None) -> None:
     from vskipper.models.smollm2 import smollm2_dir
 
     with_model_runner(args.model or str(smollm2_dir()), lambda runner: run(args, runner),
-                      max_total_tokens=max(4096, max(args.batch) * (args.input_len + 4 * args.rounds + 16)))
+                      max_total_tokens=max(4096, max(args.batch) * (args.input_len + (args.rounds + 1) * len(args.systems) + 16)))
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ def calibrated_cache(tmp_path, base) -> dict:
     return {"VSKIPPER_CACHE": str(root)}
 
 
-@pytest.mark.parametrize("family, execution", [("llama", "routed"), ("llama", "auto"), ("qwen3", "dense"),
-                                               ("qwen3", "routed")])
+@pytest.mark.parametrize("family, execution", [("llama", "routed"), ("llama", "routed-mlp"), ("llama", "auto"),
+                                               ("qwen3", "dense"), ("qwen3", "routed")])
 def test_skip_aware_checkpoint(tmp_path, capfd, family, execution):
     base = tiny_llama() if family == "llama" else tiny_qwen3()
     sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft" if family == "llama" else "hard")

@@ -194,13 +194,14 @@ def test_state_dict_keys_of_the_base_model_are_unchanged():
 
 # --- the static (graph-safe) routed body: fixed shapes, device-side counts, no host sync ----
 @pytest.mark.parametrize("family", FAMILIES)
-def test_static_body_matches_reference_without_host_sync(family):
+@pytest.mark.parametrize("body", ["routed", "routed-mlp"])
+def test_static_body_matches_reference_without_host_sync(family, body):
     make, gate = FAMILIES[family]
     base = make()
     sk = flexidepth_for(base, [1, 3, 4], gate=gate)
     seqs = prompts((6, 3, 9))
     ids, mask = left_pad(seqs)
-    m = transformed(base, sk, "routed", static_shapes=True, check_sync=True)  # decode steps are guarded
+    m = transformed(base, sk, body, static_shapes=True, check_sync=True)  # decode steps are guarded
     calls = record_routes(m)
     out = greedy(m, ids, mask, 12)
     for b, p in enumerate(seqs):

