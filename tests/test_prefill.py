@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import vskipper
 from vskipper import ops
-from vskipper.reference import reference_generate
+from vskipper.reference import reference_forward, reference_generate
 from vskipper.triton_kernels import masked_decode_attention as MA
 from vskipper.triton_kernels import routed_prefill_attention as RP
 from vskipper.triton_kernels._common import HAS_TRITON, interpreted
@@ -126,3 +126,67 @@ def test_routed_prefill_attention_bad_input():
         ops.routed_prefill_attention(*bad, impl="torch")
     with pytest.raises(ValueError, match="impl='cuda'"):
         ops.routed_prefill_attention(*args, impl="cuda")
+
+
+# --- transformers: generate's prefill -----------------------------------------------------------
+def prompts(lengths, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def count_query_rows(model, layers):
+    """{layer: [rows given to q_proj per call]} of a transformed transformers model."""
+    seen = {l: [] for l in layers}
+    for l in layers:
+        proj = model.model.layers[l].self_attn.q_proj
+        proj.register_forward_hook(lambda m, a, out, l=l: seen[l].append(a[0].shape[:-1].numel()))
+    return seen
+
+
+@pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
+def test_hf_prefill_queries_only_run_rows(family, attn):
+    """generate's prefill through the routed body: q_proj sees only the RUN rows of a routed layer,
+    and the greedy tokens and route decisions are the eager reference's, for one long prompt, a
+    left-padded batch, and a second turn that prefills after a cached prefix (DynamicCache)."""
+    base = (tiny_llama if family == "llama" else tiny_qwen3)()
+    base.config._attn_implementation = attn
+    sk = flexidepth_for(base, [1, 3, 4], gate="soft" if family == "llama" else "hard")
+    m = transformed(base, sk, "routed")
+    seen, calls = count_query_rows(m, sk.layers), record_routes(m)
+    long, short = prompts((150, 37))
+    with torch.no_grad():
+        out = m.generate(long[None], max_new_tokens=6, do_sample=False, pad_token_id=0)[0]
+    ref, dec = reference_generate(base, sk, long, 6)
+    assert_equal(out, ref, "greedy tokens, one 150-token prompt")
+    for l in sk.layers:
+        runs = int(dec[l][:len(long)].sum())
+        assert 0 < runs < len(long), f"layer {l}: the prompt should have RUN and PROJECT rows ({runs}/{len(long)})"
+        assert seen[l][0] == runs, f"layer {l}: q_proj saw {seen[l][0]} prefill rows, {runs} run"
+        assert_equal(sanitize(calls[l][0][0]), dec[l][:len(long)], f"prefill routes, layer {l}")
+    # padded batch
+    ids = torch.zeros(2, 150, dtype=torch.long)
+    mask = torch.zeros(2, 150, dtype=torch.long)
+    ids[0], mask[0] = long, 1
+    ids[1, -37:], mask[1, -37:] = short, 1
+    with torch.no_grad():
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        logits = m(ids, attention_mask=mask).logits
+    assert_close(logits[0], reference_forward(base, sk, long)[0], "padded batch, logits of sequence 0")
+    assert_close(logits[1, -37:], reference_forward(base, sk, short)[0], "padded batch, logits of sequence 1")
+    assert_equal(out[0, 150:], ref[150:], "padded batch, sequence 0")
+    assert_equal(out[1, 150:], reference_generate(base, sk, short, 6)[0][37:], "padded batch, sequence 1")
+    # a second turn: prefill of 40 new tokens after the cached first turn
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=m.config)
+    first = torch.cat([long, prompts((40,), seed=3)[0]])
+    with torch.no_grad():
+        m(long[None], past_key_values=cache, use_cache=True)
+        out = m.generate(first[None], past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)[0]
+    assert_equal(out, reference_generate(base, sk, first, 6)[0], "prefill after a cached prefix")
+
+
+def sanitize(g):
+    from vskipper.skippers.base import sanitize_gate
+
+    return sanitize_gate(g, 0.5)[1]
