@@ -63,12 +63,16 @@ def as_decode_rows(q, k, v, req_to_token, rpi, pre, ext, run, scale):
     return q, k, v, req_to_token, rpi[req], pre[req] + i + 1, run, scale
 
 
-@given(extend_batches())
+@given(extend_batches(), st.sampled_from([3, 16, RP.BLOCK_ROWS]))
 @example((torch.zeros(0, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8), torch.zeros(1, 4, dtype=torch.int32),
-          torch.tensor([0]), torch.tensor([2]), torch.tensor([0]), torch.zeros(0, dtype=torch.bool), 0.3))
-def test_routed_prefill_attention(args):
+          torch.tensor([0]), torch.tensor([2]), torch.tensor([0]), torch.zeros(0, dtype=torch.bool), 0.3), 16)
+def test_routed_prefill_attention(args, block_rows):
     want = MA.reference(*as_decode_rows(*args))
-    got = RP.reference(*args)
+    saved, RP.BLOCK_ROWS = RP.BLOCK_ROWS, block_rows  # the reference's blocks of RUN rows, at small sizes too
+    try:
+        got = RP.reference(*args)
+    finally:
+        RP.BLOCK_ROWS = saved
     assert_close(got, want, "reference vs masked decode attention, row by row")
     assert_close(ops.routed_prefill_attention(*args, impl="torch"), want, "ops, torch")
     if TRITON_RUNS:
@@ -89,13 +93,13 @@ def batch(pre, ext, run, kvh=1, G=2, d=16, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
-@pytest.mark.parametrize("case", ["none_run", "all_run", "chunk_after_prefix", "several_requests"])
+@pytest.mark.parametrize("case", ["none_run", "all_run", "chunk_after_prefix", "several_requests", "long_chunk"])
 def test_routed_prefill_attention_cases(impl, case):
     """The named cases, explicitly (beside the property test): zero RUN rows, all RUN, a chunk after
     a cached prefix, several requests of different prefixes in one batch (a decode row among them,
-    as SGLang's mixed batches have)."""
+    as SGLang's mixed batches have), a chunk longer than the reference's blocks of rows."""
     pre, ext = {"none_run": ([0], [9]), "all_run": ([0], [33]), "chunk_after_prefix": ([64], [17]),
-                "several_requests": ([0, 5, 30, 12], [20, 1, 9, 33])}[case]
+                "several_requests": ([0, 5, 30, 12], [20, 1, 9, 33]), "long_chunk": ([20], [300])}[case]
     T = sum(ext)
     run = {"none_run": [False] * T, "all_run": [True] * T}.get(case, [i % 3 != 1 for i in range(T)])
     args = batch(pre, ext, run)
