@@ -114,6 +114,14 @@ def test_routed_prefill_attention_cases(impl, case):
         assert_close(got.cpu(), full, "all RUN = causal attention")
 
 
+@needs_triton
+def test_routed_prefill_attention_opcheck():
+    """The custom op (torch.ops.vskipper.routed_prefill_attention): schema, fake implementation."""
+    args = batch([0, 5, 30], [20, 1, 9], [i % 3 != 1 for i in range(30)])
+    torch.library.opcheck(torch.ops.vskipper.routed_prefill_attention.default,
+                          tuple(a.to(DEVICE) if torch.is_tensor(a) else a for a in args))
+
+
 def test_routed_prefill_attention_bad_input():
     args = list(batch([0, 2], [3, 4], [True] * 7))
     bad = args.copy()
