@@ -13,6 +13,11 @@ ratios paired within rounds (median, bootstrap 95% CI). Systems:
 
     python bench/prefill.py                        # SmolLM2-135M, one 1024-token prompt
     python bench/prefill.py --batch 4 --input-len 256 --rounds 6
+    python bench/prefill.py --hf --input-len 256 --rate 0.25   # transformers: the forward of one prompt
+
+With --hf: transformers' forward of the prompt(s) (generate's prefill), RandomSkip(--rate) over
+layers 15-29, the dense body, the routed body with attention for all rows (before routed prefill)
+and the routed body, paired against dense.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hf", action="store_true", help="transformers' forward instead of SGLang's extend")
+    ap.add_argument("--rate", type=float, default=0.5, help="--hf: RandomSkip's rate (0.25: 75%% of rows RUN)")
     a = ap.parse_args(argv)
     if min(a.batch, a.input_len, a.threads) < 1 or a.rounds < 2:
         ap.error("--batch, --input-len and --threads must be >= 1, --rounds >= 2")
@@ -118,8 +125,51 @@ def run(args, runner) -> None:
               + ("1" if n == "upstream" else f"{1 + d.median:.3f} [{1 + d.lo:.3f}, {1 + d.hi:.3f}]") + " |")
 
 
+def run_hf(args) -> None:
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import vskipper
+    import vskipper.models.hf as hf
+    from vskipper.bench.paired import paired_delta
+    from vskipper.models.smollm2 import smollm2_dir
+
+    torch.set_num_threads(args.threads)
+    base = AutoModelForCausalLM.from_pretrained(args.model or str(smollm2_dir()), dtype=torch.float32).eval()
+    sk = vskipper.RandomSkip(args.rate, list(range(15, 30)), seed=0)
+    models = {b: vskipper.transform(copy.deepcopy(base), copy.deepcopy(sk), vskipper.Config(execution=b))
+              for b in ("dense", "routed")}
+    ids = torch.randint(1, 10000, (args.batch, args.input_len), generator=torch.Generator().manual_seed(0))
+    every_row = lambda mask, B, S, Skv: 0  # noqa: E731  (n < 0 never: attention for all rows, as before)
+    systems = {"dense": (models["dense"], hf._query_rows), "routed-mlp-only": (models["routed"], every_row),
+               "routed": (models["routed"], hf._query_rows)}
+    rng, times = random.Random(0), {n: [] for n in systems}
+    print(f"transformers forward, {type(base).__name__}, {args.batch} prompt(s) of {args.input_len} tokens, "
+          f"RandomSkip({args.rate}) over layers 15-29, {args.rounds} paired rounds in random order, {args.threads} thread(s)\n")
+    with torch.no_grad():
+        for r in range(args.rounds + 1):
+            order = list(systems)
+            rng.shuffle(order)
+            for n in order:
+                m, hf._query_rows = systems[n]
+                t0 = time.perf_counter()
+                m(ids)
+                if r:
+                    times[n].append(time.perf_counter() - t0)
+    hf._query_rows = systems["dense"][1]
+    print("| system | median ms | / dense (95% CI) |\n|---|---|---|")
+    for n in systems:
+        d = paired_delta(times[n], times["dense"])
+        print(f"| {n} | {statistics.median(times[n]) * 1e3:.0f} | "
+              + ("1" if n == "dense" else f"{1 + d.median:.3f} [{1 + d.lo:.3f}, {1 + d.hi:.3f}]") + " |")
+
+
 def main(argv=None) -> None:
     args = parse(argv)
+    if args.hf:
+        return run_hf(args)
     os.environ.pop("VSKIPPER_SKIPPER", None)  # the model loads as upstream's; systems are made here
     from vskipper.bench.runner import with_model_runner
     from vskipper.models.smollm2 import smollm2_dir
