@@ -253,3 +253,83 @@ def test_sglang_routed_prefill_matches_reference(tmp_path, family, execution, st
             runs = int(d[:len(p)].sum())
             assert 0 < runs < len(p), f"layer {l}: the prompt should have RUN and PROJECT rows ({runs}/{len(p)})"
         assert out == ref[len(p):].tolist(), f"prompt of {len(p)} tokens: sglang {out} != reference {ref[len(p):].tolist()}"
+
+
+# --- the cost model's prefill table --------------------------------------------------------------
+def phase_tables():
+    """A decode table where dense always wins and a prefill table where routed wins from T = 4."""
+    import dataclasses
+
+    from tiny import synthetic_calibration
+
+    cal = synthetic_calibration()
+    decode = dataclasses.replace(cal, routed=tuple(tuple(2 * t for t in row) for row in cal.dense))
+    return decode, dataclasses.replace(cal, phase="prefill")
+
+
+def test_auto_prices_each_phase_by_its_own_table(tmp_path, monkeypatch):
+    from vskipper import cost
+
+    monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
+    decode, prefill = phase_tables()
+    counts = torch.tensor([8, 8], dtype=torch.int32)  # T = 16, f = 0.5
+    chooser = cost.Chooser(decode, prefill=prefill)
+    assert chooser.choose(16, counts, decode=True) == "dense" and chooser.choose(16, counts, decode=False) == "routed"
+    assert cost.Chooser(decode).choose(16, counts, decode=False) == "dense"  # no prefill table: the decode one
+    # kept apart in the cache: one file, a table per phase
+    cost.save(decode)
+    assert cost.load("cpu", 40, 72, phase="prefill") is None
+    cost.save(prefill)
+    assert cost.load("cpu", 40, 72) == decode and cost.load("cpu", 40, 72, phase="prefill") == prefill
+    with pytest.raises(ValueError, match="phase='extend' is not one of"):
+        cost.load("cpu", 40, 72, phase="extend")
+
+
+def test_transform_with_auto_uses_both_tables_and_says_so(tmp_path, monkeypatch):
+    """auto over a skipper whose every step routes half the rows: prefill runs routed (its table),
+    decode dense (its table); with no prefill table, a warning names the command and explain says
+    that the decode table prices prefill."""
+    import warnings
+
+    from vskipper import cost
+
+    monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
+    cost._warned.clear()
+    decode, prefill = phase_tables()
+    cost.save(decode)
+    base, sk = tiny_llama(), vskipper.RandomSkip(0.5, [1, 2])
+    with pytest.warns(UserWarning, match=r"no prefill cost calibration.*vskipper calibrate --phase prefill --shape 40,72"):
+        m = transformed(base, sk, "auto")
+    assert "no prefill calibration: prefill priced by the decode table" in vskipper.explain(m)
+    cost.save(prefill)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = transformed(base, sk, "auto")
+    assert "prefill calibration 'cpu: " in vskipper.explain(m)
+    chosen = []
+    for l in sk.layers:
+        body = m.vskipper.bodies[l]
+        body.select = lambda layer, h, x, maps, ctx, _s=body.select: chosen.append(
+            (x.shape[1] > 1, _s(layer, h, x, maps, ctx).name)) or _s(layer, h, x, maps, ctx)
+    ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert (True, "routed") in chosen and (False, "dense") in chosen and (True, "dense") not in chosen, chosen
+    assert_equal(out, reference_generate(base, sk, ids[0], 3)[0][None], "greedy tokens")
+
+
+def test_calibrate_prefill_phase(tmp_path, monkeypatch):
+    from vskipper import calibrate, cost
+
+    monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
+    cal, bench = calibrate.measure(32, 48, 4, 2, ts=(16, 64), fs=(0.0, 0.5, 1.0), repeats=1, passes=1,
+                                   progress=False, phase="prefill")
+    assert cal.phase == "prefill" and cal.ts == (16, 64) and all(t > 0 for row in cal.routed for t in row)
+    h, x, *_ = bench.inputs(64, 0.5, "prefill")
+    assert h.shape == (1, 64, 32)  # one prompt of T tokens
+    assert calibrate.measure(32, 48, 4, 2, ts=(1,), fs=(0.5,), repeats=1, passes=1, progress=False)[0].phase == "decode"
+    seen = []
+    monkeypatch.setattr(calibrate, "measure", lambda *a, phase, **k: seen.append(phase) or (cal, None))
+    calibrate.main(["--shape", "40,72"])
+    calibrate.main(["--shape", "40,72", "--phase", "prefill"])
+    assert seen == ["decode", "prefill", "prefill"]
