@@ -1,6 +1,7 @@
-"""One routed layer's decode step: dense-masked vs routed vs auto, T in 1..512, RUN fraction
-0.5 and 0.75; time ratios against dense beside the ideal (the executed fraction: what routed
-would cost if PROJECT rows were free)."""
+"""One routed layer's decode step: dense-masked vs routed vs routed-mlp vs auto, T in 1..512, RUN
+fraction 0.5 and 0.75; time ratios against dense beside the ideal (the executed fraction: what routed
+would cost if PROJECT rows were free), and auto against the best of the other bodies in the same
+rounds. The step is the one `vskipper calibrate` times (calibrate.LayerBench, side_by_side)."""
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,15 @@ def main(argv=None) -> None:
     cal = cost.load(device, H, I)
     bench = LayerBench(H, I, nh, kvh, torch.device(device))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    bodies = ["dense", "routed"] + (["auto"] if cal else [])
+    bodies = ["dense", "routed", "routed-mlp"] + (["auto"] if cal else [])
     rng = random.Random(0)
     print(f"{cost.device_name(device)}, hidden={H} intermediate={I}, {args.repeats} rounds in random order "
           f"({repeats_at(1, args.repeats)} at T=1); dense: lower quartile; ratios: paired medians"
           + ("" if cal else "; no calibration, so no auto column (run `vskipper calibrate`)") + "\n")
-    print("| T | RUN fraction | dense ms | routed / dense | " + ("auto / dense | " if cal else "") + "ideal |")
-    print("|---|---|---|---|" + ("---|" if cal else "") + "---|")
+    print(f"{torch.get_num_threads()} threads\n")
+    print("| T | RUN fraction | dense ms | " + " | ".join(f"{b} / dense" for b in bodies[1:]) + " | ideal |"
+          + (" auto / best |" if cal else ""))
+    print("|---|---|---|" + "---|" * len(bodies) + ("---|" if cal else ""))
     for T in TS:
         for f in (0.5, 0.75):
             a = bench.inputs(T, f)
@@ -38,7 +41,12 @@ def main(argv=None) -> None:
                 bench.add_auto(cal)
             s = side_by_side(bench, bodies, a, sync, repeats_at(T, args.repeats), rng)
             cols = [f"{paired_ratio(s, b, 'dense'):.2f}" for b in bodies[1:]]
-            print(f"| {T} | {f} | {lower_quartile(s['dense']):.3f} | " + " | ".join(cols) + f" | {f:.2f} |")
+            best = ""
+            if cal:  # auto against the cheapest other body, round by round
+                s["best"] = [min(s[b][i] for b in bodies[:-1]) for i in range(len(s["dense"]))]
+                best = f" {paired_ratio(s, 'auto', 'best'):.2f} |"
+            print(f"| {T} | {f} | {lower_quartile(s['dense']):.3f} | " + " | ".join(cols) + f" | {f:.2f} |" + best,
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ The batch's sequences grow by one token per step, alike for every system of a ro
     python bench/sglang_step.py                        # SmolLM2-135M, batch 1 8 32, 128-token prompts
     python bench/sglang_step.py --batch 32 --rounds 40 --threads 1
 
-Also prints what the per-layer routing work (router, decisions, route maps, counter) costs,
-timed alone at each batch size, so the rate-0 overhead is a number per routed layer.
+Each skipping system is also compared with the rate-0 system of the same execution, paired in the
+same rounds: what skipping saves, apart from what vskipper's path costs. Also prints what the
+per-layer routing work (router, decisions, route maps, counter, the routed body's row gathers and
+scatters) costs, timed alone at T = 1, 32, 256 and the batch sizes, so the overhead is a number per
+routed layer.
 """
 from __future__ import annotations
 
@@ -28,8 +31,12 @@ SYSTEMS = {  # name -> (skipper spec or None for upstream, execution)
     "rate0-dense": ("random:rate=0,layers=15-29,seed=0", "dense"),
     "rate0-routed": ("random:rate=0,layers=15-29,seed=0", "routed"),
     "rate0-auto": ("random:rate=0,layers=15-29,seed=0", "auto"),
+    "rate0-routed-mlp": ("random:rate=0,layers=15-29,seed=0", "routed-mlp"),
     "skip0.5-routed": ("random:rate=0.5,layers=15-29,seed=0", "routed"),
+    "skip0.5-routed-mlp": ("random:rate=0.5,layers=15-29,seed=0", "routed-mlp"),
+    "skip0.5-auto": ("random:rate=0.5,layers=15-29,seed=0", "auto"),
 }
+ROUTING_TS = (1, 32, 256)  # row counts the routing work is timed at, besides the batch sizes
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -79,7 +86,9 @@ def use(model, layers, state) -> None:
 
 
 def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, float]:
-    """us per routed layer of the routing work alone at T rows: router, decisions, route maps, counter."""
+    """us per routed layer of the routing work alone at T rows: router, decisions, route maps, counter,
+    and the dynamic routed body's gathers (RUN and PROJECT rows of h, half each) and scatters back
+    into a copy of h."""
     import torch
 
     from vskipper import ops
@@ -93,9 +102,17 @@ def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, fl
     with torch.no_grad():
         g = router(x, pos, ids)
         gate, run, bad = sanitize_gate(g, sk.threshold)
+        half = torch.arange(T) % 2 == 0
+        rr, pr = half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)
+
+        def gathers():
+            out = x.clone()
+            out.index_copy_(0, rr, x.index_select(0, rr))
+            out.index_copy_(0, pr, x.index_select(0, pr))
+
         parts = {"router": lambda: router(x, pos, ids), "decide": lambda: sanitize_gate(g, sk.threshold),
                  "route_maps": lambda: ops.route_maps(run, valid, impl="torch"),
-                 "counter": lambda: counter(run, valid, bad)}
+                 "counter": lambda: counter(run, valid, bad), "gathers": gathers}
         out = {}
         for name, fn in parts.items():
             fn()
@@ -124,6 +141,7 @@ def run(args, runner) -> None:
                                    + (f" ({SYSTEMS[n][1]})" if SYSTEMS[n][1] else "") for n in args.systems) + "\n")
     head = "| batch | upstream ms | " + " | ".join(f"{n} / upstream (95% CI)" for n in args.systems[1:]) + " |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    against_rate0 = ["| batch | skipping / nothing skipped | ratio (95% CI) |", "|---|---|---|"]
     for B in args.batch:
         runner.clear()
         reqs = one_batch.prepare_synthetic_inputs_for_latency_test(B, args.input_len)
@@ -144,14 +162,23 @@ def run(args, runner) -> None:
         cells = [paired_delta(times[n], up) for n in args.systems[1:]]
         rows.append(f"| {B} | {statistics.median(up) * 1e3:.1f} | "
                     + " | ".join(f"{1 + d.median:.3f} [{1 + d.lo:.3f}, {1 + d.hi:.3f}]" for d in cells) + " |")
+        for n in args.systems:
+            zero = n.replace("skip0.5-", "rate0-")
+            if n.startswith("skip") and zero in times:
+                d = paired_delta(times[n], times[zero])
+                against_rate0.append(f"| {B} | {n} / {zero} | {1 + d.median:.3f} [{1 + d.lo:.3f}, {1 + d.hi:.3f}] |")
         print(f"  batch {B} done", file=sys.stderr, flush=True)
     use(model, *sets["upstream"])
     print("\n".join(rows))
+    if len(against_rate0) > 2:
+        print("\nWhat skipping saves (RandomSkip 0.5 against rate 0, same execution, paired in the same rounds):\n")
+        print("\n".join(against_rate0))
     state = next(v[1] for v in sets.values() if v[1] is not None)
     n_routed = len(state.skipper.layers)
     print(f"\nRouting work per routed layer ({n_routed} routed layers), timed alone, us:\n")
-    print("| T | router | decide | route_maps | counter | total | x routed layers, ms |\n|---|---|---|---|---|---|---|")
-    for T in args.batch:
+    print("| T | router | decide | route_maps | counter | gathers | total | x routed layers, ms |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for T in sorted(set(ROUTING_TS) | set(args.batch)):
         c = routing_cost_us(state, model.config.hidden_size, T)
         total = sum(c.values())
         print(f"| {T} | " + " | ".join(f"{v:.1f}" for v in c.values()) + f" | {total:.1f} | {total * n_routed / 1e3:.2f} |")

@@ -31,11 +31,14 @@ def test_interpolation_and_hysteresis():
     assert cal.predict("dense", 4, 0.25) == pytest.approx(4.0)
     assert cal.predict("routed", 8, 0.25) == pytest.approx((0.3 + 0.2) * 8)
     assert cal.predict("routed", 32, 0.0) == pytest.approx(0.3 * 16 * 2)  # linear beyond the grid
-    assert cal.choose(1, 0.5) == "dense" and cal.choose(8, 0.5) == "routed"
-    # near the crossover the current body stays unless the other is clearly cheaper
+    assert cal.choose(1, 0.5) == "dense" and cal.choose(16, 0.5) == "routed"
+    assert cal.choose(8, 0.25) == "routed" and cal.choose(8, 0.75) == "routed-mlp"  # three bodies
+    assert cal.bodies() == ("dense", "routed", "routed-mlp")
+    # near a crossover the current body stays unless another is clearly cheaper
     f_cross = (1.0 - 0.3) / 0.8
-    assert cal.choose(8, f_cross + 0.01, current="routed") == "routed"
-    assert cal.choose(8, f_cross + 0.01) == "dense"
+    assert cal.choose(16, f_cross + 0.01, current="routed") == "routed"
+    assert cal.choose(16, f_cross + 0.01) == "dense"
+    assert cal.choose(8, 0.51, current="routed") == "routed" and cal.choose(8, 0.51) == "routed-mlp"
 
 
 def test_cells_at_their_real_fraction_and_ratios_against_the_rows_dense_time():
@@ -70,7 +73,7 @@ def test_dense_routed_auto_same_decisions_and_tokens():
     seqs = prompts((5, 9, 2, 13, 7))
     ids, mask = left_pad(seqs)
     outs, decisions = {}, {}
-    for body in ("dense", "routed", "auto"):
+    for body in ("dense", "routed", "routed-mlp", "auto"):
         m = transformed(base, sk, body)
         calls = record_routes(m)
         outs[body] = greedy(m, ids, mask)
@@ -78,25 +81,31 @@ def test_dense_routed_auto_same_decisions_and_tokens():
                            for l in sk.layers}
         if body == "auto":
             assert isinstance(m.model._vskipper_stack.routed.get_submodule("1").body, AutoBody)
-    for body in ("routed", "auto"):
+    for body in ("routed", "routed-mlp", "auto"):
         assert_equal(outs[body], outs["dense"], f"{body} vs dense tokens")
         for l in sk.layers:
             for b in range(len(seqs)):
                 assert_equal(decisions[body][l][b], decisions["dense"][l][b], f"{body} routes, layer {l}, seq {b}")
 
 
-def test_auto_uses_both_bodies_as_the_model_predicts():
+def test_auto_uses_all_three_bodies_as_the_model_predicts():
     base = tiny_llama()
     cost.save(synthetic())
-    m = transformed(base, vskipper.RandomSkip(0.5, [2]), "auto")
-    layer = m.model._vskipper_stack.routed.get_submodule("2")
     seen = []
-    orig = layer.body.chooser.choose
-    layer.body.chooser.choose = lambda T, counts, *a: seen.append((T, orig(T, counts, *a))) or seen[-1][1]
+
+    def watched(rate):
+        m = transformed(base, vskipper.RandomSkip(rate, [2]), "auto")
+        chooser = m.model._vskipper_stack.routed.get_submodule("2").body.chooser
+        orig = chooser.choose
+        chooser.choose = lambda T, counts, *a: seen.append((T, orig(T, counts, *a))) or seen[-1][1]
+        return m
+
     with torch.no_grad():
+        m = watched(0.5)
         m(torch.randint(1, 100, (1, 1)))  # T = 1: dense
         m(torch.randint(1, 100, (4, 8)))  # T = 32: routed
-    assert [b for _, b in seen] == ["dense", "routed"]
+        watched(0.0)(torch.randint(1, 100, (1, 8)))  # T = 8, every row RUN: routed-mlp
+    assert [b for _, b in seen] == ["dense", "routed", "routed-mlp"]
 
 
 def test_no_calibration_runs_dense_with_one_warning():
@@ -153,12 +162,12 @@ def test_a_slow_spell_in_one_pass_does_not_move_the_calibration(monkeypatch):
     def fake(bench, bodies, args, sync, rounds, rng):  # routed is half of dense, 4x in pass 2
         calls.append(rounds)
         spell = 4.0 if 4 <= len(calls) <= 6 else 1.0  # 3 cells per pass: the second pass
-        return {"dense": [2.0] * rounds, "routed": [1.0 * spell] * rounds}
+        return {"dense": [2.0] * rounds, "routed": [1.0 * spell] * rounds, "routed-mlp": [1.5] * rounds}
 
     monkeypatch.setattr(calibrate, "side_by_side", fake)
     cal, _ = measure(32, 48, 4, 2, ts=(1, 64, 128), fs=(0.5,), repeats=6, passes=3, progress=False)
     assert len(calls) == 9 and calls[:3] == [64, 2, 2]  # 6 rounds x 32/T below T=32, over 3 passes
-    assert cal.dense == ((2.0,),) * 3 and cal.routed == ((1.0,),) * 3
+    assert cal.dense == ((2.0,),) * 3 and cal.routed == ((1.0,),) * 3 and cal.routed_mlp == ((1.5,),) * 3
 
 
 def test_measure_a_tiny_grid():

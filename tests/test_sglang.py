@@ -146,7 +146,8 @@ def test_stats_are_read_after_a_step_never_while_capturing(monkeypatch, caplog):
     decode = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True))
     prefill = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False))
     reads = []
-    monkeypatch.setattr(vskipper, "stats", lambda model: reads.append(1) or {1: dict(tokens=4, run=2, project=2, nonfinite=0)})
+    monkeypatch.setattr(vskipper, "stats", lambda model, by_setting=False: {} if by_setting else
+                        reads.append(1) or {1: dict(tokens=4, run=2, project=2, nonfinite=0)})
     monkeypatch.setattr(capture_mode, "is_capture_mode", True)
     for _ in range(4):
         reporter.after_step(decode)

@@ -12,7 +12,7 @@ from conftest import assert_close, assert_equal
 from tiny import VOCAB, flexidepth_for, record_routes, synthetic_calibration, tiny_llama, tiny_qwen3, transformed
 
 FAMILIES = {"llama": (tiny_llama, "soft"), "qwen3": (tiny_qwen3, "hard")}
-BODIES = ("dense", "routed", "auto")
+BODIES = ("dense", "routed", "routed-mlp", "auto")
 NEW_TOKENS = 24
 
 
@@ -96,7 +96,7 @@ def test_flexidepth_matches_reference_single_prompts(family, body):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("body", ["dense", "routed"])
+@pytest.mark.parametrize("body", ["dense", "routed", "routed-mlp"])
 def test_flexidepth_matches_reference_padded_batch(family, body):
     make, gate = FAMILIES[family]
     base = make()
@@ -124,27 +124,30 @@ def test_dense_and_routed_agree_on_logits():
     assert_close(r[valid], d[valid], "routed vs dense logits")
 
 
-def test_decode_gather_reuses_one_buffer_and_equals_indexing():
-    import threading
+def test_decode_attention_runs_over_the_cache_in_place_per_run_of_rows():
+    from vskipper.models.hf import _runs
 
-    from vskipper.models.hf import _gather_rows, _scratch
+    assert _runs([]) == [] and _runs([4]) == [(4, 5)]
+    assert _runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 6), (7, 9)]
+    base = tiny_llama()  # a decode batch whose RUN rows form several runs, with a per-row padding mask
+    sk = vskipper.RandomSkip(0.5, [1, 2, 3, 4], seed=1)
+    ids, mask = left_pad(prompts((9, 4, 13, 2, 6, 8, 3, 11)))
+    dense, routed = (greedy(transformed(base, sk, body), ids, mask, 8) for body in ("dense", "routed"))
+    assert_equal(routed, dense, "greedy tokens, routed vs dense")
 
-    g = torch.Generator().manual_seed(0)
-    t = torch.randn(9, 2, 7, 4, generator=g)
-    _scratch().clear()
-    for n in (5, 2, 9, 3):  # grows, shrinks, grows past the first size
-        rows = torch.randperm(9, generator=g)[:n]
-        out = _gather_rows(t, rows, "k")
-        assert_equal(out, t[rows], f"gathered rows, n={n}")
-    assert len(_scratch()) == 1 and _scratch()[(t.dtype, "k")].numel() == t.numel()
-    mine, other = _scratch()[(t.dtype, "k")], []
-    th = threading.Thread(target=lambda: other.append(_gather_rows(t, torch.tensor([0, 1]), "k")))
-    th.start()
-    th.join()
-    assert_equal(other[0], t[[0, 1]], "another thread's gather")
-    assert other[0].data_ptr() != mine.data_ptr()  # each thread has its own buffer
-    t.requires_grad_(True)  # with autograd: plain indexing, no shared buffer
-    assert _gather_rows(t, torch.tensor([1, 0]), "k").grad_fn is not None
+
+def test_the_routed_mlp_of_7_to_15_cpu_rows_runs_as_16():
+    from vskipper.routed_layer import _mlp_rows
+
+    mlp = tiny_llama().model.layers[0].mlp
+    seen = []
+    mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    y = torch.randn(10, mlp.gate_proj.in_features)
+    with torch.no_grad():
+        assert_close(_mlp_rows(mlp, y, 20), mlp(y), "10 of 20 rows, padded to 16")
+        _mlp_rows(mlp, y, 12)  # the batch has fewer than 16 rows: as they are
+        _mlp_rows(mlp, y[:6], 20)  # 6 rows: the small path is the cheaper one
+    assert seen == [16, 10, 10, 6]
 
 
 def test_pass_rewrites_every_routed_layer_and_tags_nodes():

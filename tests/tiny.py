@@ -67,14 +67,17 @@ def transformed(model, skipper, execution: str, **config):
 
 
 def synthetic_calibration(hidden=40, intermediate=72, device="cpu"):
-    """A cost calibration for this machine where routed is cheaper for T >= 4 unless nearly every row
-    runs, and dense wins at tiny T: execution="auto" then uses both bodies."""
+    """A cost calibration for this machine where dense wins at tiny T, routed is cheaper for T >= 4
+    unless nearly every row runs, and routed-mlp is cheapest at T = 4 and 8 when more than half the
+    rows run: execution="auto" then uses all three bodies."""
     from vskipper import cost
 
     ts, fs = (1, 2, 4, 8, 16), (0.0, 0.5, 1.0)
     dense = tuple(tuple(1.0 * t for _ in fs) for t in ts)
     routed = tuple(tuple((2.0 if t < 4 else 0.3 + 0.8 * f) * t for f in fs) for t in ts)
-    return cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, ts, fs, dense, routed)
+    routed_mlp = tuple(tuple((0.5 + 0.4 * f if t in (4, 8) else 3.0) * t for f in fs) for t in ts)
+    return cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, ts, fs, dense, routed,
+                            routed_mlp=routed_mlp)
 
 
 def record_routes(model):

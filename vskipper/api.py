@@ -6,6 +6,7 @@ from torch import nn
 
 from vskipper import cost
 from vskipper.config import Config
+from vskipper.control import COUNTS, SETTINGS, RequestCap
 from vskipper.models import ModelFamily, family_for
 from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
 from vskipper.routed_layer import AutoBody, Body, RouteCounter, RoutedLayer, make_body
@@ -16,12 +17,15 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() s
 
 class VSkipperState(nn.Module):
     """What `transform` attaches to a model (as `model.vskipper`): the skipper, the per-layer
-    route counters, the config, and what each routed layer runs and why. Its repr is `explain`."""
+    route counters, the per-layer request caps (where the engine passes per-request budgets,
+    vskipper/control.py), the config, and what each routed layer runs and why. Its repr is `explain`."""
 
     def __init__(self, skipper: Skipper, config: Config, family: ModelFamily, device: torch.device) -> None:
         super().__init__()
         self.skipper = skipper
         self.counters = nn.ModuleDict({str(l): RouteCounter() for l in skipper.layers})
+        n = len(skipper.layers)
+        self.caps = nn.ModuleDict({str(l): RequestCap(r, n) for r, l in enumerate(skipper.layers)})
         self.config = config
         self.family = family.name
         self.device = device
@@ -62,7 +66,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     skipper: a `vskipper.Skipper` (FlexiDepth, RandomSkip, Static, ...); its routed layer indices
              must exist in the model (ValueError otherwise). It is moved to the model's device
              and dtype and attached as `model.vskipper.skipper`.
-    config:  `vskipper.Config(execution="auto" | "dense" | "routed", impl=...)`; every choice
+    config:  `vskipper.Config(execution="auto" | "dense" | "routed" | "routed-mlp", impl=...)`; every choice
              computes the same function. "auto" uses the cost model measured by `vskipper calibrate`
              on this device; with no calibration it runs dense-masked and warns once.
 
@@ -110,7 +114,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     transformed = []
     for stack in stacks:
         routed = [i for i in stack.indices if i in skipper.layers]
-        route = RoutePass(skipper, make_routed, state.counters, family.input_norm, layers=routed)
+        route = RoutePass(skipper, make_routed, state.counters, family.input_norm, layers=routed, caps=state.caps)
         gm, _ = run_passes(trace_stack(stack), [route, VerifyPass(stack.indices, routed)])
         state.rewritten += route.rewritten
         transformed.append((stack, gm))
@@ -131,12 +135,26 @@ def explain(model: nn.Module) -> str:
     return _state(model, "explain").explain()
 
 
-def stats(model: nn.Module, reset: bool = False) -> dict[int, dict[str, int]]:
+def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> dict:
     """Route counts per routed layer since the last reset:
     {layer: {"tokens": n, "run": n, "project": n, "nonfinite": n}} (padding rows not counted;
-    "nonfinite" counts tokens whose router gave NaN/Inf, which ran the layer)."""
+    "nonfinite" counts tokens whose router gave NaN/Inf, which ran the layer).
+
+    by_setting=True: the same rows split by what their request chose (vskipper/control.py), where the
+    engine passes per-request settings (SGLang): {setting: {layer: {"tokens", "run", "project",
+    "forced"}}}, setting "default" (no cap), "capped" (max_skip below 1 but above 0 layers) or
+    "no_skip" (skip false, or a cap of 0 layers); "forced" counts rows forced to RUN by the setting. reset zeroes the counts returned."""
+    state = _state(model)
+    if by_setting:
+        out = {s: {} for s in SETTINGS}
+        for key, cap in state.caps.items():
+            for s, row in zip(SETTINGS, cap.counts.tolist()):
+                out[s][int(key)] = dict(zip(COUNTS, row))
+            if reset:
+                cap.counts.zero_()
+        return out
     out = {}
-    for key, counter in _state(model).counters.items():
+    for key, counter in state.counters.items():
         out[int(key)] = dict(zip(RouteCounter.FIELDS, counter.counts.tolist()))
         if reset:
             counter.counts.zero_()

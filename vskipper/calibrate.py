@@ -1,9 +1,9 @@
-"""`vskipper calibrate`: measure the dense-masked and routed bodies of one routed layer on this
-device, over a grid of batch sizes and RUN fractions, and cache the table (see cost.py).
+"""`vskipper calibrate`: measure the bodies of one routed layer (dense-masked, routed, routed-mlp) on
+this device, over a grid of batch sizes and RUN fractions, and cache the table (see cost.py).
 
 The layer is a transformers Llama decoder layer of the given shape with a FlexiDepth adapter,
-timed, the two bodies side by side (see side_by_side), in each phase: a decode step (one new token
-per sequence over a `context`-token KV cache) and a prefill (an extend of one prompt of T tokens)."""
+timed, the bodies side by side (see side_by_side), in each phase: a decode step (one new token per
+sequence over a `context`-token KV cache) and a prefill (an extend of one prompt of T tokens)."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,7 @@ class LayerBench:
 
         from vskipper.config import Config
         from vskipper.models.hf import HFAttention, mlp_weights
-        from vskipper.routed_layer import DenseBody, RoutedLayer, make_body
+        from vskipper.routed_layer import RoutedLayer, make_bodies
         from vskipper.skippers.flexidepth import FlexiDepthAdapter
 
         torch.manual_seed(seed)
@@ -50,10 +50,9 @@ class LayerBench:
         self.cfg._attn_implementation = "sdpa"
         self.layer = LlamaDecoderLayer(self.cfg, 0).to(device, dtype).eval()
         adapter = FlexiDepthAdapter(hidden, max(1, intermediate // 16)).to(device, dtype)
-        routed, _ = make_body(Config(execution="routed"), torch.device(device), None)  # as transform makes it here
-        self.bodies = {"dense": DenseBody(), "routed": routed}
+        self.bodies = make_bodies(Config(), torch.device(device))  # as transform makes them here
         self.body = RoutedLayer(0, HFAttention(self.layer.self_attn), self.layer.post_attention_layernorm,
-                                self.layer.mlp, adapter, "soft", routed, mlp_weights=mlp_weights)
+                                self.layer.mlp, adapter, "soft", self.bodies["routed"], mlp_weights=mlp_weights)
         self.rope = LlamaRotaryEmbedding(self.cfg).to(device)
         self.device, self.dtype, self.context = device, dtype, context
         self.gen = torch.Generator().manual_seed(seed)
@@ -93,10 +92,10 @@ class LayerBench:
         return h, x, g, run, valid, ops.route_maps(run, valid, impl=self.bodies["routed"].maps_impl), ctx
 
     def add_auto(self, calibration: cost.Calibration):
-        """Add (or replace) body "auto": a fresh chooser over this bench's dense and routed bodies."""
+        """Add (or replace) body "auto": a fresh chooser over this bench's bodies that `calibration` times."""
         from vskipper.routed_layer import AutoBody
 
-        self.bodies["auto"] = AutoBody(self.bodies["dense"], self.bodies["routed"], cost.Chooser(calibration))
+        self.bodies["auto"] = AutoBody({b: self.bodies[b] for b in calibration.bodies()}, cost.Chooser(calibration))
         return self.bodies["auto"]
 
     @torch.no_grad()
@@ -147,13 +146,16 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
+BODIES = ("dense", "routed", "routed-mlp")  # what a calibration times, side by side
+
+
 def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", dtype=torch.float32, ts=None,
             fs=cost.GRID_F, repeats: int = 6, passes: int = 3, context: int = 128,
             progress=True, phase: str = "decode") -> tuple[cost.Calibration, LayerBench]:
-    """The calibration table: per cell, dense's lower quartile, and routed as that times the paired
-    routed/dense ratio (the ratio is what the choice needs; see side_by_side). The grid is swept
-    `passes` times, each with its share of the rounds, and a cell's ratio is the median of its
-    passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
+    """The calibration table: per cell, dense's lower quartile, and each routed body as that times
+    its paired body/dense ratio (the ratio is what the choice needs; see side_by_side). The grid is
+    swept `passes` times, each with its share of the rounds, and a cell's ratio is the median of
+    its passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
     (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only.
     phase: "decode" (ts default cost.GRID_T) or "prefill" (cost.PREFILL_T)."""
     if phase not in cost.PHASES:
@@ -165,25 +167,28 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
     rng = random.Random(0)
     rounds = {T: -(-repeats_at(T, repeats, short=32) // passes) for T in ts}  # per pass
     dense = {(T, f): [] for T in ts for f in fs}
-    ratios = {(T, f): [] for T in ts for f in fs}
+    ratios = {(b, T, f): [] for b in BODIES[1:] for T in ts for f in fs}
     work = [rounds[T] * (T + 8) for T in ts]  # a rough cost per row, for the ETA
     t_start, done = time.perf_counter(), 0
     for p in range(passes):
         for i, T in enumerate(ts):
             for f in fs:
-                s = side_by_side(bench, ("dense", "routed"), bench.inputs(T, f, phase), sync, rounds[T], rng)
+                s = side_by_side(bench, BODIES, bench.inputs(T, f, phase), sync, rounds[T], rng)
                 dense[T, f] += s["dense"]
-                ratios[T, f].append(paired_ratio(s, "routed", "dense"))
+                for b in BODIES[1:]:
+                    ratios[b, T, f].append(paired_ratio(s, b, "dense"))
             done += work[i]
             if progress:
                 frac, el = done / (passes * sum(work)), time.perf_counter() - t_start
-                rs = [r[-1] for (t, _), r in ratios.items() if t == T]
-                print(f"calibrate: {phase} pass {p + 1}/{passes} T={T:<4} routed/dense {min(rs):.2f}-{max(rs):.2f}  "
-                      f"[{frac:.0%}, ETA {el / frac - el:.0f} s]", file=sys.stderr, flush=True)
+                cols = "  ".join(f"{b}/dense {min(rs):.2f}-{max(rs):.2f}" for b in BODIES[1:]
+                                 for rs in [[r[-1] for (b2, t, _), r in ratios.items() if t == T and b2 == b]])
+                print(f"calibrate: {phase} pass {p + 1}/{passes} T={T:<4} {cols}  [{frac:.0%}, ETA {el / frac - el:.0f} s]",
+                      file=sys.stderr, flush=True)
     d = tuple(tuple(lower_quartile(dense[T, f]) for f in fs) for T in ts)  # a neighbour's load only adds time
-    r = tuple(tuple(d[i][j] * statistics.median(ratios[T, f]) for j, f in enumerate(fs)) for i, T in enumerate(ts))
-    cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d, r,
-                           cost.dtype_name(dtype), phase)
+    r = {b: tuple(tuple(d[i][j] * statistics.median(ratios[b, T, f]) for j, f in enumerate(fs))
+                  for i, T in enumerate(ts)) for b in BODIES[1:]}
+    cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d,
+                           r["routed"], cost.dtype_name(dtype), r["routed-mlp"], phase)
     return cal, bench
 
 

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from vskipper.config import EXECUTIONS
+
 CPU_DEFAULTS = {  # SGLang flags for a machine without a GPU (docs/architecture.md), unless the user gives them
     "--device": "cpu",
     "--dtype": "float32",
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "FlexiDepth skipper, flexidepth:name=smollm2-135m-flexidepth, when no --model-path is given)")
     s.add_argument("--model-path", help="model directory (default: the bundled SmolLM2-135M-Instruct, served with "
                                         "its trained FlexiDepth skipper)")
-    s.add_argument("--execution", choices=["auto", "dense", "routed"])
+    s.add_argument("--execution", choices=list(EXECUTIONS))
     s.add_argument("--stats-interval", type=int, help="log skip statistics every N decode steps")
     i = sub.add_parser("inspect", help="check a skip-aware checkpoint directory")
     i.add_argument("path")

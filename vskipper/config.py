@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EXECUTIONS = ("auto", "dense", "routed")
+EXECUTIONS = ("auto", "dense", "routed", "routed-mlp")
 IMPLS = ("auto", "torch", "triton")
 
 
@@ -15,7 +15,9 @@ class Config:
     execution: "dense"  -> every row computes attention, the MLP and the adapter, then a mask selects;
                "routed" -> RUN rows are gathered, run through attention + MLP, scattered back;
                            PROJECT rows likewise through the adapter;
-               "auto"   -> the cost model picks dense or routed per layer and batch.
+               "routed-mlp" -> attention for every row (as the engine computes it), the MLP and the
+                           adapter routed as above;
+               "auto"   -> the cost model picks one of these per layer and batch.
     impl:      the implementation of vskipper's ops (route maps, the fixed-shape routed body):
                "triton" kernels, the "torch" references, or "auto" = triton for a model on CUDA,
                torch elsewhere.

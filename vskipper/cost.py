@@ -1,12 +1,13 @@
-"""Profitability: per routed layer and batch, the cheaper of the dense-masked and routed bodies.
+"""Profitability: per routed layer and batch, the cheapest of the bodies (vskipper/routed_layer.py):
+dense-masked, routed, and routed-mlp (attention for every row, MLP and adapter routed).
 
-Both bodies compute the same function (the one principle): the cost model chooses how, never
+All bodies compute the same function (the one principle): the cost model chooses how, never
 what. It is two tables of times measured on this device by `vskipper calibrate`, one per phase:
-decode (a decode step of one routed layer, dense and routed, over a grid of batch sizes T and RUN
+decode (a decode step of one routed layer in each body, over a grid of batch sizes T and RUN
 fractions f) and prefill (an extend of one prompt of T tokens, the same grid of f; prefill is
 compute-bound and attention grows with T, so the decode table misprices it). Each is read as:
-dense, one time per T; routed, the cell's paired routed/dense ratio times that, at the cell's real
-RUN fraction, non-decreasing in f; linear in f within a grid row, linear in log2 T between rows
+dense, one time per T; a routed body, the cell's paired body/dense ratio times that, at the cell's
+real RUN fraction, non-decreasing in f; linear in f within a grid row, linear in log2 T between rows
 (Calibration._rows, predict). Calibrations are cached per device name, shape and
 torch / triton / vskipper versions; a mismatch is ignored with a warning, never trusted.
 
@@ -65,7 +66,7 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return f"cpu: {model}, {torch.get_num_threads()} threads"
 
 
-METHOD = "3"  # how calibrate measures (KV pool, rounds in random order, paired ratios, passes); bump on change
+METHOD = "4"  # how calibrate measures (KV pool, rounds in random order, paired ratios, passes, three bodies); bump on change
 
 
 def versions() -> dict[str, str]:
@@ -91,23 +92,35 @@ class Calibration:
     dense: tuple  # ms, [len(ts)][len(fs)]
     routed: tuple
     dtype: str = "float32"  # the dtype the layer was timed in (bf16 GEMMs and f32 ones differ in kind)
+    routed_mlp: tuple = ()  # ms, like routed: attention for every row, MLP and adapter routed
     phase: str = "decode"  # what was timed: a decode step of T sequences, or an extend of one T-token prompt
 
+    def bodies(self) -> tuple[str, ...]:
+        """The bodies this table times, by execution name."""
+        return ("dense", "routed") + (("routed-mlp",) if self.routed_mlp else ())
+
+    def _table(self, body: str) -> tuple:
+        return {"dense": self.dense, "routed": self.routed, "routed-mlp": self.routed_mlp}[body]
+
     @cached_property
-    def _rows(self) -> list[tuple[list[float], float, list[float]]]:
-        """Per grid T: (RUN fractions, dense ms, routed ms). A cell (T, f) was measured with
+    def _rows(self) -> list[tuple[list[float], float, dict[str, list[float]]]]:
+        """Per grid T: (RUN fractions, dense ms, {routed body: ms}). A cell (T, f) was measured with
         run_rows(T, f) RUN rows, so its real fraction is that over T (at small T several cells
         share one: merged). Dense computes every row whatever f: one time per T, the row's median.
-        Routed is the cell's routed/dense ratio (paired round by round, so a slow spell of the
+        A routed body is the cell's body/dense ratio (paired round by round, so a slow spell of the
         machine cancels) times that dense time, made non-decreasing in f."""
         rows = []
-        for T, d_row, r_row in zip(self.ts, self.dense, self.routed):
+        for i, T in enumerate(self.ts):
+            d_row = self.dense[i]
             d = statistics.median(d_row)
-            by_n: dict[int, list[float]] = {}
-            for f, dc, rc in zip(self.fs, d_row, r_row):
-                by_n.setdefault(run_rows(T, f), []).append(rc / dc * d)
-            ns = sorted(by_n)
-            rows.append(([n / T for n in ns], d, _nondecreasing([statistics.median(by_n[n]) for n in ns])))
+            times = {}
+            for body in self.bodies()[1:]:
+                by_n: dict[int, list[float]] = {}
+                for f, dc, rc in zip(self.fs, d_row, self._table(body)[i]):
+                    by_n.setdefault(run_rows(T, f), []).append(rc / dc * d)
+                ns = sorted(by_n)
+                times[body] = _nondecreasing([statistics.median(by_n[n]) for n in ns])
+            rows.append(([n / T for n in ns], d, times))
         return rows
 
     def predict(self, body: str, T: int, f: float) -> float:
@@ -119,9 +132,10 @@ class Calibration:
         u = min(max((x - xs[i]) / (xs[i + 1] - xs[i]), 0.0), 1.0)
 
         def at(row):
-            fracs, d, r = row
+            fracs, d, times = row
             if body == "dense":
                 return d
+            r = times[body]
             if len(fracs) == 1:
                 return r[0]
             j = min(max(bisect.bisect_right(fracs, f) - 1, 0), len(fracs) - 2)
@@ -132,12 +146,12 @@ class Calibration:
         return t * (T / self.ts[-1]) if T > self.ts[-1] else t  # beyond the grid: linear in T
 
     def choose(self, T: int, f: float, current: str | None = None, margin: float = 0.03) -> str:
-        d, r = self.predict("dense", T, f), self.predict("routed", T, f)
-        best = "routed" if r < d else "dense"
-        if current in ("dense", "routed") and best != current:
-            cur, other = (d, r) if current == "dense" else (r, d)
-            if other > cur * (1 - margin):
-                return current
+        """The body predicted cheapest; with hysteresis, `current` is kept unless another is
+        predicted cheaper by more than `margin`."""
+        times = {b: self.predict(b, T, f) for b in self.bodies()}
+        best = min(times, key=times.get)
+        if current in times and best != current and times[best] > times[current] * (1 - margin):
+            return current
         return best
 
     def key(self) -> str:
@@ -150,7 +164,7 @@ class Calibration:
     def from_json(cls, d: dict) -> "Calibration":
         return cls(d["device"], d["versions"], d["hidden"], d["intermediate"], tuple(d["ts"]), tuple(d["fs"]),
                    tuple(map(tuple, d["dense"])), tuple(map(tuple, d["routed"])), d.get("dtype", "float32"),
-                   d.get("phase", "decode"))
+                   tuple(map(tuple, d.get("routed_mlp", ()))), d.get("phase", "decode"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -221,8 +235,8 @@ def _other_thread_counts(name: str) -> list[str]:
 
 
 class Chooser:
-    """The per-layer choice of routed_layer.AutoBody (Config(execution="auto")): dense or routed,
-    from the calibration (see the module docstring).
+    """The per-layer choice of routed_layer.AutoBody (Config(execution="auto")): the name of a body
+    (Calibration.bodies()), from the calibration (see the module docstring).
 
     expected: the RUN fraction the skipper declares (Skipper.expected_run_fraction; 0.5 when it
     declares none), what the choice plans with where it cannot look: inside CUDA-graph capture the

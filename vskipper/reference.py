@@ -10,6 +10,8 @@ Full-sequence recompute, one sequence, no cache, no padding, attention written o
     RUN:     h1 = h + o_proj(attention(q_proj(x), K, V));  out = h1 + g * mlp(post_ln(h1))
     PROJECT: out = h + (1 - g) * adapter(post_ln(h))      (identity if no adapter)
     (hard gate: no scaling by g or 1 - g)
+    a request's budget k (vskipper/control.py): at the skipper's routed layers of rank >= k (0 = the
+    shallowest), RUN with g = 1 whatever the router says
 """
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ def attention(attn, x, cos, sin):
 
 
 @torch.no_grad()
-def reference_forward(model, skipper: Skipper, input_ids: torch.Tensor):
-    """One sequence through `model` (an untransformed transformers Llama/Qwen3) under `skipper`.
+def reference_forward(model, skipper: Skipper, input_ids: torch.Tensor, budget: int | None = None):
+    """One sequence through `model` (an untransformed transformers Llama/Qwen3) under `skipper`, for a
+    request that may skip at most `budget` routed layers (None: no cap).
 
     input_ids [S] -> (logits [S, V], decisions {layer: run [S] bool}, gates {layer: g [S]})."""
     ids = input_ids.reshape(-1)
@@ -65,6 +68,8 @@ def reference_forward(model, skipper: Skipper, input_ids: torch.Tensor):
             h = h1 + m
             continue
         g, run, _ = sanitize_gate(skipper.router(i)(x, positions, ids), skipper.threshold)
+        if budget is not None and skipper.layers.index(i) >= budget:
+            g, run = torch.ones_like(g), torch.ones_like(run)
         decisions[i], gates[i] = run, g
         adapter = skipper.adapter(i)
         p = None if adapter is None else adapter(layer.post_attention_layernorm(h))
@@ -74,12 +79,13 @@ def reference_forward(model, skipper: Skipper, input_ids: torch.Tensor):
 
 
 @torch.no_grad()
-def reference_generate(model, skipper: Skipper, input_ids: torch.Tensor, max_new_tokens: int):
+def reference_generate(model, skipper: Skipper, input_ids: torch.Tensor, max_new_tokens: int,
+                       budget: int | None = None):
     """Greedy decoding by full recompute. Returns (tokens [S + n], decisions over the S + n - 1
     tokens that were fed to the model)."""
     ids = input_ids.reshape(-1)
     for _ in range(max_new_tokens):
-        logits, _, _ = reference_forward(model, skipper, ids)
+        logits, _, _ = reference_forward(model, skipper, ids, budget)
         ids = torch.cat([ids, logits[-1].argmax().reshape(1)])
-    _, decisions, _ = reference_forward(model, skipper, ids[:-1])
+    _, decisions, _ = reference_forward(model, skipper, ids[:-1], budget)
     return ids, decisions

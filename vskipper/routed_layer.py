@@ -12,7 +12,10 @@ Bodies compute it; which one a layer runs is decided once, at transform time, by
                     scattered back, slicing to the real counts (reads them on the host: CPU);
   FixedRoutedBody   the same with fixed shapes, device-side counts and vskipper's grouped ops
                     (no host sync: CUDA graphs), in the ops implementation it was given;
-  AutoBody          a dense and a routed body, and the cost model's chooser between them per step.
+  either, with attend_all ("routed-mlp"): attention for every row as the engine computes it, only
+                    the MLP and the adapter routed (at short context attention is cheap and batched,
+                    while attending for a subset of rows has fixed costs of its own);
+  AutoBody          a dense and the routed bodies, and the cost model's chooser among them per step.
 Attention comes from the family's attention part, which knows the engine's cache:
 `all_rows(x, ctx)`, `some_rows(x, rows, ctx)`, `masked_rows(x, run, ctx, impl)`; all write K/V
 for every row. Shapes: T = rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
@@ -61,34 +64,61 @@ class DenseBody(Body):
 
 
 class RoutedBody(Body):
-    name = "routed"
+    """Dynamic shapes: slices to the real counts, read on the host. attend_all: attention for every
+    row (the engine's own), MLP and adapter routed ("routed-mlp")."""
+
+    def __init__(self, attend_all: bool = False) -> None:
+        self.attend_all = attend_all
+        self.name = "routed-mlp" if attend_all else "routed"
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
         run_rows, project_rows, counts = maps
         n_run, n_proj = counts.tolist()  # the dynamic form: data-dependent shapes are allowed here
         hf = h.reshape(-1, h.shape[-1])  # [T, H]
         gf = g.reshape(-1)  # [T]
-        out = hf.clone()
+        out = hf.clone()  # PROJECT rows without an adapter, and padding, keep h
         rr = run_rows[:n_run].long()
-        a = layer.attention.some_rows(x, rr, ctx)  # [n_run, H]; K/V written for all rows
+        if self.attend_all:
+            a = layer.attention.all_rows(x, ctx).reshape(hf.shape).index_select(0, rr)  # [n_run, H]
+        else:
+            a = layer.attention.some_rows(x, rr, ctx)  # [n_run, H]; K/V written for all rows
         if n_run:
-            h1 = hf[rr] + a
-            out[rr] = run_value(h1, layer.mlp(layer.post_norm(h1)), gf[rr], layer.soft)
+            h1 = hf.index_select(0, rr) + a
+            m = _mlp_rows(layer.mlp, layer.post_norm(h1), hf.shape[0])
+            out.index_copy_(0, rr, run_value(h1, m, gf.index_select(0, rr), layer.soft))
         if layer.adapter is not None and n_proj:
             pr = project_rows[:n_proj].long()
-            hp = hf[pr]
-            out[pr] = project_value(hp, layer.adapter(layer.post_norm(hp)), gf[pr], layer.soft)
+            hp = hf.index_select(0, pr)
+            out.index_copy_(0, pr, project_value(hp, layer.adapter(layer.post_norm(hp)), gf.index_select(0, pr),
+                                                 layer.soft))
         return out.view_as(h)
 
     def describe(self) -> str:
-        return "routed, dynamic shapes (torch; counts read on the host)"
+        what = "attention for every row, MLP and adapter routed" if self.attend_all else "routed"
+        return f"{what}, dynamic shapes (torch; counts read on the host)"
+
+
+def _mlp_rows(mlp, y, T: int):
+    """mlp(y) for y's n gathered rows [n, H]. On CPU, 7-15 rows are computed as 16 (padded with copies
+    of the first, then dropped) when the batch has 16 or more: below 16 rows MKL's f32 GEMM takes a
+    path that streams a weight too large for the cache once per 3 rows. Measured for SmolLM2-135M's
+    MLP, one thread, 2-CPU Xeon VM (2026-12-01): 6 rows 0.79 ms, 8 rows 1.13, 12 rows 1.48, 15 rows
+    1.84, 16 rows 1.07, 32 rows 1.46; a routed layer at batch 32 with half the rows RUN (12-20 of them)
+    saved nothing without this."""
+    n = y.shape[0]
+    if y.is_cpu and 7 <= n < 16 <= T:
+        return mlp(torch.cat([y, y[:1].expand(16 - n, -1)]))[:n]
+    return mlp(y)
 
 
 class FixedRoutedBody(Body):
-    name = "routed"
+    """Fixed shapes, device-side counts, vskipper's grouped ops: no host sync (CUDA graphs).
+    attend_all: attention for every row (the engine's own), MLP and adapter routed ("routed-mlp")."""
 
-    def __init__(self, impl: str) -> None:
+    def __init__(self, impl: str, attend_all: bool = False) -> None:
         self.impl = self.maps_impl = impl
+        self.attend_all = attend_all
+        self.name = "routed-mlp" if attend_all else "routed"
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
         run_rows, project_rows, counts = maps
@@ -96,7 +126,10 @@ class FixedRoutedBody(Body):
         hf = h.reshape(-1, H)  # [T, H]
         gf = g.reshape(-1).to(h.dtype)  # [T]
         ran = (run & valid).reshape(-1)  # [T]
-        a = layer.attention.masked_rows(x, ran, ctx, self.impl).reshape(-1, H)  # [T, H]
+        if self.attend_all:
+            a = layer.attention.all_rows(x, ctx).reshape(-1, H)  # [T, H]
+        else:
+            a = layer.attention.masked_rows(x, ran, ctx, self.impl).reshape(-1, H)  # [T, H]
         h1 = hf + a
         rank_sum = getattr(layer.mlp, "rank_sum", None)
         if rank_sum is None:
@@ -115,25 +148,37 @@ class FixedRoutedBody(Body):
         return out.view_as(h)
 
     def describe(self) -> str:
-        return f"routed, fixed shapes ({self.impl} ops; no host sync)"
+        what = "attention for every row, MLP and adapter routed" if self.attend_all else "routed"
+        return f"{what}, fixed shapes ({self.impl} ops; no host sync)"
 
 
 class AutoBody(Body):
+    """A dense body and routed ones (by name: "routed", "routed-mlp"), and the chooser among them."""
+
     name = "auto"
 
-    def __init__(self, dense: DenseBody, routed: Body, chooser: cost.Chooser) -> None:
-        self.dense, self.routed, self.chooser = dense, routed, chooser
-        self.maps_impl = routed.maps_impl
+    def __init__(self, bodies: dict[str, Body], chooser: cost.Chooser) -> None:
+        self.bodies, self.chooser = bodies, chooser
+        self.maps_impl = bodies["routed"].maps_impl
 
     def select(self, layer, h, x, maps, ctx) -> Body:
-        pick = self.chooser.choose(h.numel() // h.shape[-1], maps[2], layer.attention.is_decode(x, ctx))
-        return self.routed if pick == "routed" else self.dense
+        return self.bodies[self.chooser.choose(h.numel() // h.shape[-1], maps[2], layer.attention.is_decode(x, ctx))]
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
         return self.select(layer, h, x, maps, ctx)(layer, h, x, g, run, valid, maps, ctx)
 
     def describe(self) -> str:
-        return f"auto: {self.dense.describe()} or {self.routed.describe()}, chosen per step on the host by the cost model"
+        return (f"auto: {' or '.join(b.describe() for b in self.bodies.values())}, chosen per step on the host "
+                f"by the cost model")
+
+
+def make_bodies(config: Config, device: torch.device) -> dict[str, Body]:
+    """Every body a routed layer of a model on `device` can run, by execution name."""
+    impl = ops.resolve_impl(config.impl, device)
+    fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
+    if fixed:
+        return {"dense": DenseBody(), "routed": FixedRoutedBody(impl), "routed-mlp": FixedRoutedBody(impl, True)}
+    return {"dense": DenseBody(), "routed": RoutedBody(), "routed-mlp": RoutedBody(True)}
 
 
 def make_body(config: Config, device: torch.device, calibration: cost.Calibration | None,
@@ -144,18 +189,20 @@ def make_body(config: Config, device: torch.device, calibration: cost.Calibratio
     decode steps, prefill_calibration extend steps (None: the decode table prices them too)."""
     impl = ops.resolve_impl(config.impl, device)
     fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
-    routed = FixedRoutedBody(impl) if fixed else RoutedBody()
+    bodies = make_bodies(config, device)
     shapes = (f"static_shapes={config.static_shapes}" if config.static_shapes is not None
               else f"fixed shapes on {device.type}" if fixed else f"dynamic shapes on {device.type}")
     if config.execution == "dense":
-        return DenseBody(), "execution='dense'"
-    if config.execution == "routed":
-        return routed, f"execution='routed', {shapes}, impl={impl!r}"
+        return bodies["dense"], "execution='dense'"
+    if config.execution != "auto":
+        return bodies[config.execution], f"execution={config.execution!r}, {shapes}, impl={impl!r}"
     if calibration is None:
-        return DenseBody(), "execution='auto' without a cost calibration for this device (run `vskipper calibrate`)"
+        return bodies["dense"], "execution='auto' without a cost calibration for this device (run `vskipper calibrate`)"
+    timed = set(calibration.bodies()) | set(prefill_calibration.bodies() if prefill_calibration is not None else ())
+    bodies = {name: body for name, body in bodies.items() if name in timed}
     prefill = (f"prefill calibration {prefill_calibration.key()!r}" if prefill_calibration is not None
                else "no prefill calibration: prefill priced by the decode table")
-    return (AutoBody(DenseBody(), routed, cost.Chooser(calibration, expected_run_fraction, prefill=prefill_calibration)),
+    return (AutoBody(bodies, cost.Chooser(calibration, expected_run_fraction, prefill=prefill_calibration)),
             f"execution='auto', {shapes}, impl={impl!r}, calibration {calibration.key()!r}, {prefill}")
 
 

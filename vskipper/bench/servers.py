@@ -22,13 +22,16 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class System:
-    """One server configuration. skipper=None serves the model unchanged (upstream SGLang)."""
+    """One server configuration. skipper=None serves the model unchanged (upstream SGLang).
+    opted_out: the share of its requests the benchmark client sends with {"vskipper": {"skip": false}}
+    (every request's base-model answer; vskipper/control.py), spread evenly over the request order."""
 
     name: str
     model_path: str
     skipper: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     label: str = ""  # how a verdict names it, e.g. "RandomSkip(0.5)"
+    opted_out: float = 0.0
 
 
 @dataclass

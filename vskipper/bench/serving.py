@@ -5,7 +5,8 @@ The full run (`python bench/serve.py`; the quick paired run behind `--quick` is 
 1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
    nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
    skipper under test; on the bundled SmolLM2-135M also vskipper-trained, the FlexiDepth skipper
-   shipped for it), all with --sleep-on-idle so idle ones stay off the CPU, one CPU thread each
+   shipped for it; vskipper-half-opted-out: the skipper under test, every other request sent with
+   {"vskipper": {"skip": false}}, so mixed batches of skipping and base-model requests), all with --sleep-on-idle so idle ones stay off the CPU, one CPU thread each
    (see quick.Settings); requests are generated, sent and timed by SGLang's own benchmark client
    (vskipper/bench/sglang_client.py);
 2. find the knee of upstream's load curve: the last offered rate whose output throughput still
@@ -56,10 +57,15 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     return m, (1.96 * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
 
 
-def run_load(client, url: str, rate: float, n: int, max_new_tokens: int, seed: int) -> list[Result]:
+def run_load(client, url: str, rate: float, n: int, max_new_tokens: int, seed: int,
+             opted_out: float = 0.0) -> list[Result]:
     """n shipped prompts (seeded), sent by SGLang's own benchmark client (vskipper/bench/sglang_client.py)
-    with seeded Poisson arrivals at `rate` req/s (inf: all at once), as per-request Results."""
-    res = client.run(url, client.prompt_rows(n, max_new_tokens, seed), concurrency=None, rate=rate, seed=seed)
+    with seeded Poisson arrivals at `rate` req/s (inf: all at once), as per-request Results; the share
+    `opted_out` of them with {"vskipper": {"skip": false}}."""
+    from vskipper.bench.sglang_client import opt_out
+
+    rows = client.prompt_rows(n, max_new_tokens, seed)
+    res = client.run(url, opt_out(rows, opted_out) if opted_out else rows, concurrency=None, rate=rate, seed=seed)
     return [Result(ok and out == max_new_tokens, ttft, (e2e - ttft) / max(1, out - 1), e2e, out, start, start + e2e,
                    err or ("" if out == max_new_tokens else f"{out} of {max_new_tokens} tokens"))
             for (ok, ttft, e2e, out, start), err in zip(res.per_request, res.errors)]
@@ -127,6 +133,13 @@ def plot(results: dict, systems: list[System], loads: list[tuple[str, float]], p
     fig.savefig(path, dpi=120)
 
 
+def server_of(systems: list[System]) -> dict[str, str]:
+    """{system: the system whose server it is measured on}: a system that only changes what its
+    requests ask for (opted_out) shares the server of the first system started the same way."""
+    key = lambda x: (x.model_path, x.skipper, x.env)  # noqa: E731
+    return {x.name: next((y.name for y in systems if not y.opted_out and key(y) == key(x)), x.name) for x in systems}
+
+
 def run(systems: list[System], s: Settings, out: Path) -> str:
     import signal
 
@@ -139,7 +152,9 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     servers = {}
     try:
         log("starting " + ", ".join(f"{x.name} ({x.skipper or 'no skipper'})" for x in systems))
-        servers = start_all(systems, out, s.max_total_tokens, threads=QuickSettings().server_threads)  # why 1: there
+        served = server_of(systems)
+        servers = start_all([x for x in systems if served[x.name] == x.name], out, s.max_total_tokens,
+                            threads=QuickSettings().server_threads)  # why 1: there
         for srv in servers.values():
             run_load(client, srv.url, math.inf, 4, 8, 0)  # warm up
         knee, curve = find_knee(client, servers[systems[0].name], s)
@@ -150,8 +165,8 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
             for i, (label, rate) in enumerate(loads):
                 order = systems[rep % len(systems):] + systems[:rep % len(systems)]  # interleave
                 for sysm in order:
-                    res = run_load(client, servers[sysm.name].url, rate, s.requests, s.max_new_tokens,
-                                   s.seed + 100 * rep + i)
+                    res = run_load(client, servers[served[sysm.name]].url, rate, s.requests, s.max_new_tokens,
+                                   s.seed + 100 * rep + i, sysm.opted_out)
                     results[label][sysm.name].append(res)
                     log(f"repeat {rep + 1}/{s.repeats} {label} {sysm.name}: {throughput(res):.1f} tok/s, "
                         f"{sum(not r.ok for r in res)} failed")
@@ -229,6 +244,9 @@ def main(argv=None, started: float | None = None) -> None:
         text = quick.run(systems, qs, Path(args.out or "out/bench-serve-quick"), started=started)
         print(text)
         return
+    # the same server as "vskipper", half of its requests opting out of skipping (per-request control)
+    systems.append(System("vskipper-half-opted-out", model, spec, label=f"vskipper {label}, half the requests opted out",
+                          opted_out=0.5))
     out = Path(args.out or "out/bench-serve")
     settings = Settings(args.requests, args.max_new_tokens or 64, args.repeats, args.seed, KNEE_FRACTIONS)
     text = run(systems, settings, out)

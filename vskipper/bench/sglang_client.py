@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Client", "LoadResult"]
+__all__ = ["Client", "LoadResult", "opt_out"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,26 @@ def _args(ignore_eos: bool) -> argparse.Namespace:
         backend="sglang", temperature=0.0, top_p=1.0, disable_ignore_eos=not ignore_eos, disable_stream=False,
         return_logprob=False, return_routed_experts=False, logprob_start_len=-1, top_logprobs_num=0,
         token_ids_logprob=None, header=None, cache_report=False, plot_throughput=False, goodput=None)
+
+
+def opt_out(rows: list, share: float, ignore_eos: bool = True) -> list:
+    """Copies of `rows` where every 1/share-th row (row i when floor((i + 1) * share) > floor(i * share))
+    carries {"vskipper": {"skip": false}} in its /generate sampling params. SGLang's request function
+    puts a row's extra_request_body over its own payload, so those rows give the whole sampling_params
+    it would send (greedy, the pinned output length, ignore_eos), plus custom_params."""
+    import dataclasses
+    import math
+
+    if not 0 <= share <= 1:
+        raise ValueError(f"opt_out: share={share} must be in [0, 1]")
+    out = []
+    for i, row in enumerate(rows):
+        if math.floor((i + 1) * share) > math.floor(i * share):
+            sp = {"temperature": 0.0, "max_new_tokens": row.output_len, "ignore_eos": ignore_eos,
+                  "custom_params": {"vskipper": {"skip": False}}}
+            row = dataclasses.replace(row, extra_request_body={**(row.extra_request_body or {}), "sampling_params": sp})
+        out.append(row)
+    return out
 
 
 class Client:

@@ -161,7 +161,7 @@ class SGLangSlot(nn.Module):
         self.indices = (index,)
         self.key = str(index)
 
-    def forward(self, hidden_states, token_ids, positions, valid, forward_batch):
+    def forward(self, hidden_states, token_ids, positions, valid, budget, forward_batch):
         return self.layers[self.key](hidden_states, positions=positions, forward_batch=forward_batch)
 
 
@@ -180,6 +180,21 @@ def valid_rows(forward_batch, T: int, device) -> torch.Tensor:
     return torch.ones(T, dtype=torch.bool, device=device)
 
 
+def request_budgets(fixed: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """[T] int32: per row, how many routed layers its request may skip (vskipper/control.py), or None
+    (no per-request control installed). `fixed` is one device buffer that the plugin fills for each
+    batch before its forward (integrations/sglang/requests.py): SGLang's runners hand the model a
+    copy of the ForwardBatch they were given, so the budgets cannot travel on it; and a captured graph
+    reads the buffer at every replay (rows the graph runner pads read stale entries, which matter to
+    no one: padding is never routed or counted)."""
+    if fixed is None:
+        return None
+    if T > fixed.shape[0]:
+        raise RuntimeError(f"vskipper: a batch of {T} rows, more than the {fixed.shape[0]} rows of the "
+                           f"per-request budget buffer")
+    return fixed[:T]
+
+
 class SGLangRoutedLayer(nn.Module):
     """Stands in `model.model.layers[i]` for a routed layer (see the module docstring). It holds
     the decoder layer's own children under their own names, so the model's state-dict keys are
@@ -192,6 +207,7 @@ class SGLangRoutedLayer(nn.Module):
             self.add_module(name, child)
         self.layer_id = getattr(layer.self_attn.attn, "layer_id", None)
         object.__setattr__(self, "_vskipper_layer", graph)
+        self.budget_buffer = None  # [N] int32, set by the plugin: the batch's per-row budgets (request_budgets)
 
     def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
@@ -203,7 +219,8 @@ class SGLangRoutedLayer(nn.Module):
         if capture_output is not None:
             capture_output(h)
         valid = valid_rows(forward_batch, h.shape[0], h.device)
-        out = self._vskipper_layer(h, forward_batch.input_ids, positions, valid, forward_batch)
+        budget = request_budgets(self.budget_buffer, h.shape[0])
+        out = self._vskipper_layer(h, forward_batch.input_ids, positions, valid, budget, forward_batch)
         return residual_batch.set_written(out, forward_batch)
 
 

@@ -1,5 +1,7 @@
 """RoutePass: at every routed layer, insert norm -> router -> route decisions -> route maps ->
-route counter -> routed layer, in place of the plain decoder-layer call.
+route counter -> routed layer, in place of the plain decoder-layer call. Where the traced stack has
+a `budget` input (per-request control, vskipper/control.py), the request cap rewrites the decisions
+right after they are made, so that maps, counters and the body all see the capped ones.
 
 Each routed layer comes with its body, already chosen (routed_layer.make_body); the graph records
 it (node.meta["vskipper"]["body"]) and carries a route-maps node, in the ops implementation the
@@ -22,10 +24,12 @@ class RoutePass(Pass):
     name = "route"
 
     def __init__(self, skipper: Skipper, make_routed: Callable[[int, nn.Module], nn.Module],
-                 counters: nn.ModuleDict, input_norm: str, layers=None) -> None:
+                 counters: nn.ModuleDict, input_norm: str, layers=None, caps: nn.ModuleDict | None = None) -> None:
         """make_routed(i, decoder layer) -> the RoutedLayer of layer i, its body chosen. layers: the
-        routed layers this stack calls (default: all of the skipper's)."""
+        routed layers this stack calls (default: all of the skipper's). caps: per layer, the
+        control.RequestCap inserted when the stack has a `budget` input."""
         self.skipper, self.make_routed, self.counters, self.input_norm = skipper, make_routed, counters, input_norm
+        self.caps = caps
         self.layers = tuple(skipper.layers if layers is None else layers)
         self.rewritten: list[int] = []
 
@@ -59,7 +63,11 @@ class RoutePass(Pass):
             with g.inserting_before(node):
                 x = g.call_module(f"{node.target}.{self.input_norm}", (h,))
                 raw = g.call_module(f"routers.{i}", (x, ph["positions"], ph["token_ids"]))
-                dec = g.call_function(sanitize_gate, (raw, thr))
+                decide = dec = g.call_function(sanitize_gate, (raw, thr))
+                cap = None
+                if self.caps is not None and "budget" in ph:
+                    gm.add_submodule(f"caps.{i}", self.caps[str(i)])
+                    cap = dec = g.call_module(f"caps.{i}", (dec, ph["valid"], ph["budget"]))
                 gate = g.call_function(operator.getitem, (dec, 0))
                 run = g.call_function(operator.getitem, (dec, 1))
                 bad = g.call_function(operator.getitem, (dec, 2))
@@ -67,8 +75,8 @@ class RoutePass(Pass):
                         if body.needs_maps else None)
                 g.call_module(f"counters.{i}", (run, ph["valid"], bad))
                 out = g.call_module(f"routed.{i}", (h, x, gate, run, ph["valid"], maps), dict(node.kwargs))
-            for n, role in ((x, "input_norm"), (raw, "router"), (dec, "decide"), (maps, "route_maps"),
-                            (out, "routed_layer")):
+            for n, role in ((x, "input_norm"), (raw, "router"), (decide, "decide"),
+                            (cap, "request_cap"), (maps, "route_maps"), (out, "routed_layer")):
                 if n is not None:
                     n.meta["vskipper"] = {"layer": i, "role": role}
             out.meta["vskipper"]["body"] = body.name

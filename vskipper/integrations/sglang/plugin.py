@@ -10,6 +10,10 @@ logger = logging.getLogger("vskipper")
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"  # one scheduler step, eager or replayed
 VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+TOKENIZED = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
+BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"  # per-request budgets per batch
+OPENAI_HANDLERS = ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion.handle_request",
+                   "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat.handle_request")
 _registered = False
 
 
@@ -21,6 +25,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from transformers import AutoConfig
 
+    from vskipper.integrations.sglang import requests
     from vskipper.integrations.sglang.models import config_classes, model_classes
 
     for cls in model_classes():
@@ -33,13 +38,21 @@ def register() -> None:
     HookRegistry.register(LOAD_MODEL, after_load_model, HookType.AFTER)
     HookRegistry.register(RUNNER_FORWARD, after_runner_forward, HookType.AFTER)
     HookRegistry.register(VALIDATE, validate_token_ids, HookType.BEFORE)
+    HookRegistry.register(TOKENIZED, requests.namespace_cache, HookType.AFTER)
+    HookRegistry.register(BATCH_INIT, requests.after_forward_batch_init, HookType.AFTER)
+    for target in OPENAI_HANDLERS:
+        HookRegistry.register(target, requests.openai_handle_request, HookType.AROUND)
     _registered = True
 
 
 def validate_token_ids(manager, obj, input_ids, *args, **kwargs):
     """Refuse, with a clear error (HTTP 400), the inputs SGLang 0.5.23 lets through: an empty
     prompt inside a batch (answered with another request's logits) and token ids outside the
-    vocabulary (an IndexError that takes the whole scheduler down)."""
+    vocabulary (an IndexError that takes the whole scheduler down); and a bad per-request setting
+    (sampling_params.custom_params.vskipper, vskipper/control.py)."""
+    from vskipper.integrations.sglang.requests import check_generate_request
+
+    check_generate_request(manager, obj)
     if getattr(obj, "input_embeds", None) is not None or input_ids is None:
         return None
     if len(input_ids) == 0:

@@ -10,6 +10,7 @@ import os
 import torch
 
 import vskipper
+from vskipper.control import COUNTS
 from vskipper.integrations.sglang.settings import Settings
 from vskipper.skippers import parse_skipper
 
@@ -45,6 +46,9 @@ def transform_loaded(runner) -> None:
                 type(skipper).__name__, settings.skipper_spec or "the checkpoint's own", list(skipper.layers),
                 settings.config(), cost_state)
     logger.info("%s", vskipper.explain(model))
+    from vskipper.integrations.sglang import requests
+
+    requests.install(runner)
     if settings.stats_interval:
         install_stats_logger(runner, settings.stats_interval)
     if settings.route_digest:
@@ -60,10 +64,24 @@ def format_stats(st: dict[int, dict[str, int]]) -> str:
     return f"skip ratio {skipped / max(1, tokens):.3f} over {tokens} routed-layer tokens; per layer {per_layer}"
 
 
+def setting_totals(by: dict[str, dict[int, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """vskipper.stats(model, by_setting=True) summed over the routed layers: {setting: {count: n}}."""
+    return {s: {k: sum(c[k] for c in layers.values()) for k in COUNTS} for s, layers in by.items()}
+
+
+def format_settings(by: dict[str, dict[int, dict[str, int]]]) -> str:
+    """Skip ratio and rows forced to RUN per request setting (vskipper/control.py), settings seen only."""
+    parts = [f"{s} {t['project'] / t['tokens']:.3f} over {t['tokens']} (forced to run {t['forced']})"
+             for s, t in setting_totals(by).items() if t["tokens"]]
+    return "by request setting: " + (", ".join(parts) if parts else "none")
+
+
 class PrometheusExport:
     """Per-layer route counters exported through SGLang's Prometheus endpoint (--enable-metrics):
     SGLang runs prometheus_client in multiprocess mode, so a counter created in the scheduler
-    process is served by /metrics. Metric: vskipper_routed_layer_tokens_total{layer, route}."""
+    process is served by /metrics. Metrics: vskipper_routed_layer_tokens_total{layer, route} and,
+    summed over the routed layers, vskipper_request_setting_tokens_total{setting, route} (setting:
+    default, capped, no_skip; route: run, project, forced = rows a request's setting forced to RUN)."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter
@@ -71,16 +89,24 @@ class PrometheusExport:
         self.counter = Counter("vskipper_routed_layer_tokens_total",
                                "Tokens that reached a routed layer, by route (run / project / nonfinite)",
                                ["layer", "route"])
-        self.last: dict[tuple[int, str], int] = {}
+        self.by_setting = Counter("vskipper_request_setting_tokens_total",
+                                  "Routed-layer tokens by their request's setting and route (run / project / forced)",
+                                  ["setting", "route"])
+        self.last: dict[tuple, int] = {}
 
-    def update(self, st: dict[int, dict[str, int]]) -> None:
+    def _inc(self, counter, key: tuple, value: int, **labels) -> None:
+        delta = value - self.last.get(key, 0)
+        if delta > 0:
+            counter.labels(**labels).inc(delta)
+        self.last[key] = value
+
+    def update(self, st: dict[int, dict[str, int]], by: dict | None = None) -> None:
         for layer, s in st.items():
             for route in ("run", "project", "nonfinite"):
-                key = (layer, route)
-                delta = s[route] - self.last.get(key, 0)
-                if delta > 0:
-                    self.counter.labels(layer=str(layer), route=route).inc(delta)
-                self.last[key] = s[route]
+                self._inc(self.counter, (layer, route), s[route], layer=str(layer), route=route)
+        for setting, t in setting_totals(by or {}).items():
+            for route in ("run", "project", "forced"):
+                self._inc(self.by_setting, (setting, route), t[route], setting=setting, route=route)
 
 
 def check_supported(runner, routed) -> None:
@@ -116,10 +142,10 @@ class StatsReporter:
             return
         self.steps += 1
         if self.steps % self.interval == 0:
-            st = vskipper.stats(self.model)
-            logger.info("vskipper: after %d decode steps: %s", self.steps, format_stats(st))
+            st, by = vskipper.stats(self.model), vskipper.stats(self.model, by_setting=True)
+            logger.info("vskipper: after %d decode steps: %s; %s", self.steps, format_stats(st), format_settings(by))
             if self.export is not None:
-                self.export.update(st)
+                self.export.update(st, by)
 
 
 def install_stats_logger(runner, interval: int) -> None:
