@@ -156,10 +156,14 @@ def count_query_rows(model, layers):
 
 
 @pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
-def test_hf_prefill_queries_only_run_rows(family, attn):
+def test_hf_prefill_queries_only_run_rows(family, attn, monkeypatch):
     """generate's prefill through the routed body: q_proj sees only the RUN rows of a routed layer,
     and the greedy tokens and route decisions are the eager reference's, for one long prompt, a
-    left-padded batch, and a second turn that prefills after a cached prefix (DynamicCache)."""
+    left-padded batch, and a second turn that prefills after a cached prefix (DynamicCache); in
+    blocks of 16 RUN rows (several per sequence)."""
+    import vskipper.models.hf as hf
+
+    monkeypatch.setattr(hf, "PREFILL_BLOCK_ROWS", 16)
     base = (tiny_llama if family == "llama" else tiny_qwen3)()
     base.config._attn_implementation = attn
     sk = flexidepth_for(base, [1, 3, 4], gate="soft" if family == "llama" else "hard")

@@ -30,6 +30,12 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+# Prefill attends blocks of this many RUN rows of a sequence, each over the keys up to its last
+# position: a mask alone does not skip the masked half, as causal attention does (the same measurement
+# as vskipper/triton_kernels/routed_prefill_attention.py's BLOCK_ROWS).
+PREFILL_BLOCK_ROWS = 128
+
+
 def _query_rows(mask, B: int, S: int, Skv: int) -> int:
     """How many of the B*S new rows are tokens, read from the layer's mask [B or 1, 1, S, Skv] (bool,
     or additive with 0 where attended): a token attends itself, a padding row does not."""
@@ -112,7 +118,8 @@ class HFAttention(nn.Module):
     def _prefill_rows(self, fn, x, rows, k, v, cos, sin, mask):
         """Prefill (S > 1): queries, attention and o_proj for the flat rows `rows` of [B*S] only. A
         row at position s of sequence b attends b's keys as the layer's mask says (no mask: causal,
-        keys j <= Skv - S + s); one attention call per sequence with its rows gathered. -> [n, H]"""
+        keys j <= Skv - S + s); per sequence, its rows gathered, one attention call per block of
+        PREFILL_BLOCK_ROWS rows over the keys up to the block's last position. -> [n, H]"""
         attn = self.attn
         B, S, H = x.shape
         Skv, n = k.shape[2], rows.numel()
@@ -127,14 +134,16 @@ class HFAttention(nn.Module):
         else:  # [B or 1, 1, S, Skv] -> [n, 1, Skv]
             mask_rows = mask[b_of if mask.shape[0] == B else torch.zeros_like(b_of), :, s_of, :]
         out = x.new_empty(n, q.shape[1] * q.shape[3])
+        last = (Skv - S + s_of).tolist()  # each row's key position, ascending within a sequence
         for b in range(B):
             idx = (b_of == b).nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            o, _ = fn(attn, q[:, :, idx].contiguous(), k[b:b + 1], v[b:b + 1],
-                      mask_rows[idx].transpose(0, 1).unsqueeze(0).contiguous(), dropout=0.0, scaling=attn.scaling,
-                      sliding_window=getattr(attn, "sliding_window", None))
-            out[idx] = o.reshape(idx.numel(), -1)  # [1, nb, nh, d] -> [nb, nh * d]
+            for j in range(0, idx.numel(), PREFILL_BLOCK_ROWS):  # blocks of rows, keys up to the block's last
+                blk = idx[j:j + PREFILL_BLOCK_ROWS]
+                L = last[int(blk[-1])] + 1
+                o, _ = fn(attn, q[:, :, blk].contiguous(), k[b:b + 1, :, :L], v[b:b + 1, :, :L],
+                          mask_rows[blk, :, :L].transpose(0, 1).unsqueeze(0).contiguous(), dropout=0.0,
+                          scaling=attn.scaling, sliding_window=getattr(attn, "sliding_window", None))
+                out[blk] = o.reshape(blk.numel(), -1)  # [1, nb, nh, d] -> [nb, nh * d]
         return attn.o_proj(out)
 
 
