@@ -92,15 +92,20 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     skipper.to(device=device, dtype=dtype)
     state = VSkipperState(skipper, config, family, device).to(device)
 
-    calibration = None
+    calibration = prefill_calibration = None
     if config.execution == "auto":
         intermediate = getattr(model.config, "intermediate_size", hidden)
         calibration = cost.load(device, hidden, intermediate, cost.dtype_name(dtype))
         if calibration is None:
             cost.warn_uncalibrated(device, hidden, intermediate, cost.dtype_name(dtype))
+        else:
+            prefill_calibration = cost.load(device, hidden, intermediate, cost.dtype_name(dtype), phase="prefill")
+            if prefill_calibration is None:
+                cost.warn_no_prefill(device, hidden, intermediate, cost.dtype_name(dtype))
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
-        state.bodies[i], state.reasons[i] = make_body(config, device, calibration, skipper.expected_run_fraction)
+        state.bodies[i], state.reasons[i] = make_body(config, device, calibration, skipper.expected_run_fraction,
+                                                        prefill_calibration)
         mlp = family.make_mlp(layer) if family.make_mlp is not None else getattr(layer, family.mlp)
         return RoutedLayer(i, family.make_attention(layer), getattr(layer, family.post_norm),
                            mlp, skipper.adapter(i), skipper.gate, state.bodies[i],

@@ -2,8 +2,8 @@
 this device, over a grid of batch sizes and RUN fractions, and cache the table (see cost.py).
 
 The layer is a transformers Llama decoder layer of the given shape with a FlexiDepth adapter,
-timed at a decode step (one new token per sequence over a `context`-token KV cache), the
-bodies side by side (see side_by_side)."""
+timed, the bodies side by side (see side_by_side), in each phase: a decode step (one new token per
+sequence over a `context`-token KV cache) and a prefill (an extend of one prompt of T tokens)."""
 from __future__ import annotations
 
 import argparse
@@ -57,7 +57,9 @@ class LayerBench:
         self.device, self.dtype, self.context = device, dtype, context
         self.gen = torch.Generator().manual_seed(seed)
 
-    def inputs(self, T: int, f: float):
+    def inputs(self, T: int, f: float, phase: str = "decode"):
+        if phase == "prefill":
+            return self.prefill_inputs(T, f)
         H, d = self.cfg.hidden_size, self.cfg.hidden_size // self.cfg.num_attention_heads
         kv = torch.randn(T, self.cfg.num_key_value_heads, self.context + 1, d, device=self.device, dtype=self.dtype)
         cache = PoolCache(kv, kv.clone())
@@ -71,6 +73,21 @@ class LayerBench:
         pos = torch.full((T, 1), self.context, device=self.device)
         ctx = dict(attention_mask=None, position_embeddings=self.rope(h, pos), position_ids=pos,
                    past_key_values=cache, use_cache=True)
+        x = self.layer.input_layernorm(h)
+        return h, x, g, run, valid, ops.route_maps(run, valid, impl=self.bodies["routed"].maps_impl), ctx
+
+    def prefill_inputs(self, T: int, f: float):
+        """An extend of one prompt of T tokens (no prefix, no cache to write: the K/V of every row are
+        computed either way), run_rows(T, f) of them RUN at random positions."""
+        h = torch.randn(1, T, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        run = torch.zeros(T, dtype=torch.bool)
+        run[torch.randperm(T, generator=self.gen)[:cost.run_rows(T, f)]] = True
+        run = run.to(self.device).view(1, T)
+        valid = torch.ones_like(run)
+        g = torch.where(run, 0.75, 0.25).to(self.dtype)
+        pos = torch.arange(T, device=self.device)[None]
+        ctx = dict(attention_mask=None, position_embeddings=self.rope(h, pos), position_ids=pos,
+                   past_key_values=None, use_cache=False)
         x = self.layer.input_layernorm(h)
         return h, x, g, run, valid, ops.route_maps(run, valid, impl=self.bodies["routed"].maps_impl), ctx
 
@@ -132,14 +149,18 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
 BODIES = ("dense", "routed", "routed-mlp")  # what a calibration times, side by side
 
 
-def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", dtype=torch.float32, ts=cost.GRID_T,
+def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", dtype=torch.float32, ts=None,
             fs=cost.GRID_F, repeats: int = 6, passes: int = 3, context: int = 128,
-            progress=True) -> tuple[cost.Calibration, LayerBench]:
+            progress=True, phase: str = "decode") -> tuple[cost.Calibration, LayerBench]:
     """The calibration table: per cell, dense's lower quartile, and each routed body as that times
     its paired body/dense ratio (the ratio is what the choice needs; see side_by_side). The grid is
     swept `passes` times, each with its share of the rounds, and a cell's ratio is the median of
     its passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
-    (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only."""
+    (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only.
+    phase: "decode" (ts default cost.GRID_T) or "prefill" (cost.PREFILL_T)."""
+    if phase not in cost.PHASES:
+        raise ValueError(f"phase={phase!r} is not one of {list(cost.PHASES)}")
+    ts = ts if ts is not None else cost.GRID_T if phase == "decode" else cost.PREFILL_T
     device = torch.device(device)
     bench = LayerBench(hidden, intermediate, heads, kv_heads, device, dtype=dtype, context=context)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -152,7 +173,7 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
     for p in range(passes):
         for i, T in enumerate(ts):
             for f in fs:
-                s = side_by_side(bench, BODIES, bench.inputs(T, f), sync, rounds[T], rng)
+                s = side_by_side(bench, BODIES, bench.inputs(T, f, phase), sync, rounds[T], rng)
                 dense[T, f] += s["dense"]
                 for b in BODIES[1:]:
                     ratios[b, T, f].append(paired_ratio(s, b, "dense"))
@@ -161,13 +182,13 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
                 frac, el = done / (passes * sum(work)), time.perf_counter() - t_start
                 cols = "  ".join(f"{b}/dense {min(rs):.2f}-{max(rs):.2f}" for b in BODIES[1:]
                                  for rs in [[r[-1] for (b2, t, _), r in ratios.items() if t == T and b2 == b]])
-                print(f"calibrate: pass {p + 1}/{passes} T={T:<4} {cols}  [{frac:.0%}, ETA {el / frac - el:.0f} s]",
+                print(f"calibrate: {phase} pass {p + 1}/{passes} T={T:<4} {cols}  [{frac:.0%}, ETA {el / frac - el:.0f} s]",
                       file=sys.stderr, flush=True)
     d = tuple(tuple(lower_quartile(dense[T, f]) for f in fs) for T in ts)  # a neighbour's load only adds time
     r = {b: tuple(tuple(d[i][j] * statistics.median(ratios[b, T, f]) for j, f in enumerate(fs))
                   for i, T in enumerate(ts)) for b in BODIES[1:]}
     cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d,
-                           r["routed"], cost.dtype_name(dtype), r["routed-mlp"])
+                           r["routed"], cost.dtype_name(dtype), r["routed-mlp"], phase)
     return cal, bench
 
 
@@ -190,6 +211,8 @@ def main(argv=None) -> None:
                                                 "default: this process's, %d)" % torch.get_num_threads())
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="dtype to time the layer in, as the model runs (default: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--phase", choices=["both", *cost.PHASES], default="both",
+                    help="what to time: decode steps, prefill (an extend of one prompt), or both (default)")
     ap.add_argument("--export", help="also write the calibration to this directory (to ship it)")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -220,10 +243,11 @@ def main(argv=None) -> None:
     if args.repeats < 1 or args.passes < 1:
         ap.error(f"--repeats and --passes must be >= 1 (got {args.repeats} and {args.passes})")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    cal, _ = measure(*dims, device=device, dtype=dtype, repeats=args.repeats, passes=args.passes)
-    print(f"calibration cached in {cost.save(cal)}")
-    if args.export:
-        print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")
+    for phase in cost.PHASES if args.phase == "both" else (args.phase,):
+        cal, _ = measure(*dims, device=device, dtype=dtype, repeats=args.repeats, passes=args.passes, phase=phase)
+        print(f"{phase} calibration cached in {cost.save(cal)}")
+        if args.export:
+            print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")
 
 
 if __name__ == "__main__":

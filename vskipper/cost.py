@@ -2,8 +2,10 @@
 dense-masked, routed, and routed-mlp (attention for every row, MLP and adapter routed).
 
 All bodies compute the same function (the one principle): the cost model chooses how, never
-what. It is a table of times measured on this device by `vskipper calibrate` (a decode step of
-one routed layer in each body, over a grid of batch sizes T and RUN fractions f), read as:
+what. It is two tables of times measured on this device by `vskipper calibrate`, one per phase:
+decode (a decode step of one routed layer in each body, over a grid of batch sizes T and RUN
+fractions f) and prefill (an extend of one prompt of T tokens, the same grid of f; prefill is
+compute-bound and attention grows with T, so the decode table misprices it). Each is read as:
 dense, one time per T; a routed body, the cell's paired body/dense ratio times that, at the cell's
 real RUN fraction, non-decreasing in f; linear in f within a grid row, linear in log2 T between rows
 (Calibration._rows, predict). Calibrations are cached per device name, shape and
@@ -18,6 +20,8 @@ once per routed layer and step, from T (the row count, a shape) and the layer's 
     skipper's declared expected RUN fraction, so it is fixed per captured batch size (`plan`).
   Hysteresis (per phase and batch size): the body changes only when the other is predicted
   cheaper by more than `margin`.
+  A step is priced by its phase's table (decode batches by the decode table, extend and mixed
+  batches by the prefill table); without a prefill table, prefill uses the decode table, with a warning.
 No calibration for this device: dense-masked everywhere, with one warning naming the command.
 """
 from __future__ import annotations
@@ -38,6 +42,8 @@ from vskipper import cache
 
 GRID_T = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GRID_F = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+PREFILL_T = (16, 64, 256, 1024)  # tokens of the one prompt an extend calibrates; beyond: linear in T
+PHASES = ("decode", "prefill")
 
 
 def run_rows(T: int, f: float) -> int:
@@ -87,6 +93,7 @@ class Calibration:
     routed: tuple
     dtype: str = "float32"  # the dtype the layer was timed in (bf16 GEMMs and f32 ones differ in kind)
     routed_mlp: tuple = ()  # ms, like routed: attention for every row, MLP and adapter routed
+    phase: str = "decode"  # what was timed: a decode step of T sequences, or an extend of one T-token prompt
 
     def bodies(self) -> tuple[str, ...]:
         """The bodies this table times, by execution name."""
@@ -148,7 +155,7 @@ class Calibration:
         return best
 
     def key(self) -> str:
-        return f"{self.device}|{self.hidden}x{self.intermediate}|{self.dtype}"
+        return f"{self.device}|{self.hidden}x{self.intermediate}|{self.dtype}" + ("|prefill" if self.phase == "prefill" else "")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -157,7 +164,7 @@ class Calibration:
     def from_json(cls, d: dict) -> "Calibration":
         return cls(d["device"], d["versions"], d["hidden"], d["intermediate"], tuple(d["ts"]), tuple(d["fs"]),
                    tuple(map(tuple, d["dense"])), tuple(map(tuple, d["routed"])), d.get("dtype", "float32"),
-                   tuple(map(tuple, d.get("routed_mlp", ()))))
+                   tuple(map(tuple, d.get("routed_mlp", ()))), d.get("phase", "decode"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -173,14 +180,17 @@ def save(cal: Calibration, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / _file_name(cal.device)
     entries = json.loads(path.read_text()) if path.is_file() else []
-    entries = [e for e in entries if (e["hidden"], e["intermediate"], e.get("dtype", "float32"))
-               != (cal.hidden, cal.intermediate, cal.dtype)]
+    entries = [e for e in entries if (e["hidden"], e["intermediate"], e.get("dtype", "float32"), e.get("phase", "decode"))
+               != (cal.hidden, cal.intermediate, cal.dtype, cal.phase)]
     path.write_text(json.dumps(entries + [cal.to_json()], indent=1))
     return path
 
 
-def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str = "float32") -> Calibration | None:
-    """The calibration for this device, versions and dtype, nearest shape first; None if there is none."""
+def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str = "float32",
+         phase: str = "decode") -> Calibration | None:
+    """The `phase` calibration for this device, versions and dtype, nearest shape first; None if there is none."""
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r} is not one of {list(PHASES)}")
     name, ver = device_name(device), versions()
     found = []
     for directory in (cache_dir(), SHIPPED_DIR):
@@ -188,7 +198,7 @@ def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str 
         if not path.is_file():
             continue
         for e in json.loads(path.read_text()):
-            if e["device"] != name or e.get("dtype", "float32") != dtype:
+            if e["device"] != name or e.get("dtype", "float32") != dtype or e.get("phase", "decode") != phase:
                 continue
             why = cache.mismatch(e["versions"], ver)
             if why:
@@ -202,8 +212,9 @@ def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str 
         return None
     best = min(found, key=lambda c: abs(math.log(c.hidden * c.intermediate / (hidden * intermediate))))
     if (best.hidden, best.intermediate) != (hidden, intermediate):
-        warnings.warn(f"vskipper: no cost calibration for hidden={hidden}, intermediate={intermediate} on {name!r}; "
-                      f"using the nearest shape, {best.hidden}x{best.intermediate}. For this shape: "
+        what = "prefill cost calibration" if phase == "prefill" else "cost calibration"
+        warnings.warn(f"vskipper: no {what} for hidden={hidden}, intermediate={intermediate} on "
+                      f"{name!r}; using the nearest shape, {best.hidden}x{best.intermediate}. For this shape: "
                       f"`vskipper calibrate --shape {hidden},{intermediate}`", stacklevel=2)
     return best
 
@@ -231,11 +242,13 @@ class Chooser:
     declares none), what the choice plans with where it cannot look: inside CUDA-graph capture the
     body is `planned(T)`, a pure function of the calibration, T and `expected`, so each captured
     batch size gets one fixed body (`plan` lists them). Elsewhere the choice is made per step, with
-    hysteresis state kept per phase (prefill, decode) and batch size."""
+    hysteresis state kept per phase (prefill, decode) and batch size, from the phase's table
+    (`prefill`: the prefill calibration; None: prefill steps use the decode table)."""
 
     def __init__(self, calibration: Calibration, expected: float | None = None, ema: float = 0.5,
-                 margin: float = 0.03) -> None:
+                 margin: float = 0.03, prefill: Calibration | None = None) -> None:
         self.cal, self.alpha, self.margin = calibration, ema, margin
+        self.tables = {True: calibration, False: prefill if prefill is not None else calibration}  # decode? -> table
         self.declared = expected is not None
         self.expected = 0.5 if expected is None else float(expected)
         self.current: dict[tuple, str] = {}  # (phase, T) -> the body chosen last (hysteresis)
@@ -258,7 +271,7 @@ class Chooser:
         if body is None:
             if len(self._memo) > 4096:  # prefill sizes vary without bound: keep the memo small
                 self._memo.clear()
-            body = self._memo[memo_key] = self.cal.choose(T, f, cur, self.margin)
+            body = self._memo[memo_key] = self.tables[decode].choose(T, f, cur, self.margin)
         self.current[where] = body
         return body
 
@@ -308,3 +321,16 @@ def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int, dtyp
     warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
                   f"{dtype}){also}; execution='auto' runs the dense-masked body. Measure this device with "
                   f"`vskipper calibrate --shape {hidden},{intermediate}{threads}{flag}` (or --model PATH).", stacklevel=3)
+
+
+def warn_no_prefill(device: torch.device, hidden: int, intermediate: int, dtype: str = "float32") -> None:
+    """A decode calibration without a prefill one: prefill steps are priced by the decode table."""
+    name = device_name(device)
+    if (name, dtype, "prefill") in _warned:
+        return
+    _warned.add((name, dtype, "prefill"))
+    flag = "" if dtype == "float32" else f" --dtype {dtype}"
+    warnings.warn(f"vskipper: no prefill cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
+                  f"{dtype}); execution='auto' prices prefill steps by the decode table, which misprices them. "
+                  f"Measure prefill with `vskipper calibrate --phase prefill --shape {hidden},{intermediate}{flag}`.",
+                  stacklevel=3)

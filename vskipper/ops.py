@@ -15,7 +15,9 @@ Every op takes `impl`, decided once per model at transform time (`resolve_impl`,
             counts kept on the device, no host sync, CUDA-graph safe.
 
 One op has a third, dynamic form that only the dynamic routed body uses (CPU serving, where there
-are no graphs and reading a count costs nothing): `masked_decode_attention_dynamic`.
+are no graphs and reading a count costs nothing): `masked_decode_attention_dynamic`. The prefill op
+`routed_prefill_attention` has one torch form for both bodies, which reads the batch's lengths on
+the host (prefill batches are never captured in a graph); its Triton form does not.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from torch import Tensor
 IMPLS = ("torch", "triton")
 
 __all__ = ["IMPLS", "resolve_impl", "route_maps", "grouped_swiglu_", "masked_decode_attention",
-           "masked_decode_attention_dynamic"]
+           "masked_decode_attention_dynamic", "routed_prefill_attention"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -40,7 +42,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         impl = "triton" if torch.device(device).type == "cuda" else "torch"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of 'auto', {', '.join(map(repr, IMPLS))}")
-    for name in ("route_maps", "grouped_swiglu", "masked_decode_attention"):
+    for name in ("route_maps", "grouped_swiglu", "masked_decode_attention", "routed_prefill_attention"):
         _kernels(name)
     return impl
 
@@ -154,3 +156,37 @@ def masked_decode_attention_dynamic(q: Tensor, k_buffer: Tensor, v_buffer: Tenso
     (CPU serving), never inside a CUDA graph."""
     return _kernels("masked_decode_attention").reference_dynamic(q, k_buffer, v_buffer, req_to_token,
                                                                  req_pool_indices, seq_lens, run_mask, sm_scale)
+
+
+# --- routed_prefill_attention -----------------------------------------------------------------
+@torch.library.custom_op("vskipper::routed_prefill_attention", mutates_args=())
+def _routed_prefill_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
+                              req_pool_indices: Tensor, prefix_lens: Tensor, extend_lens: Tensor, run_mask: Tensor,
+                              sm_scale: float) -> Tensor:
+    return _kernels("routed_prefill_attention").launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
+                                                       prefix_lens, extend_lens, run_mask, sm_scale)
+
+
+@_routed_prefill_attention.register_fake
+def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask, sm_scale):
+    _kernels("routed_prefill_attention").check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
+                                               extend_lens, run_mask)
+    return q.new_empty(q.shape)
+
+
+def routed_prefill_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
+                             req_pool_indices: Tensor, prefix_lens: Tensor, extend_lens: Tensor, run_mask: Tensor,
+                             sm_scale: float, *, impl: str) -> Tensor:
+    """Causal paged attention of an extend (prefill) batch for RUN rows, over SGLang's KV layout.
+    q [T, nh, d] (the rows of request b are extend_lens[b] consecutive rows, requests in order),
+    k_buffer and v_buffer [P, kvh, d], req_to_token [R, C] int32, req_pool_indices, prefix_lens,
+    extend_lens [B] int, run_mask [T] bool -> o [T, nh, d]. Row i of request b is position
+    p = prefix_lens[b] + i and attends pool slots req_to_token[req_pool_indices[b], :p + 1] (the
+    cached prefix and the chunk's earlier tokens, RUN or not, already written); GQA as in
+    masked_decode_attention. Rows with run_mask False read no K/V and get zeros."""
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask, float(sm_scale))
+    if impl == "torch":
+        return _kernels("routed_prefill_attention").reference(*args)
+    if impl == "triton":
+        return _routed_prefill_attention(*args)
+    raise _bad_impl(impl)

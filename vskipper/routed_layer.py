@@ -182,9 +182,11 @@ def make_bodies(config: Config, device: torch.device) -> dict[str, Body]:
 
 
 def make_body(config: Config, device: torch.device, calibration: cost.Calibration | None,
-              expected_run_fraction: float | None = None) -> tuple[Body, str]:
+              expected_run_fraction: float | None = None,
+              prefill_calibration: cost.Calibration | None = None) -> tuple[Body, str]:
     """The body of one routed layer of a model on `device`, and why: decided here, once.
-    expected_run_fraction: the skipper's, what auto plans captured graphs with."""
+    expected_run_fraction: the skipper's, what auto plans captured graphs with. calibration prices
+    decode steps, prefill_calibration extend steps (None: the decode table prices them too)."""
     impl = ops.resolve_impl(config.impl, device)
     fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
     bodies = make_bodies(config, device)
@@ -196,9 +198,12 @@ def make_body(config: Config, device: torch.device, calibration: cost.Calibratio
         return bodies[config.execution], f"execution={config.execution!r}, {shapes}, impl={impl!r}"
     if calibration is None:
         return bodies["dense"], "execution='auto' without a cost calibration for this device (run `vskipper calibrate`)"
-    bodies = {name: body for name, body in bodies.items() if name in calibration.bodies()}
-    return (AutoBody(bodies, cost.Chooser(calibration, expected_run_fraction)),
-            f"execution='auto', {shapes}, impl={impl!r}, calibration {calibration.key()!r}")
+    timed = set(calibration.bodies()) | set(prefill_calibration.bodies() if prefill_calibration is not None else ())
+    bodies = {name: body for name, body in bodies.items() if name in timed}
+    prefill = (f"prefill calibration {prefill_calibration.key()!r}" if prefill_calibration is not None
+               else "no prefill calibration: prefill priced by the decode table")
+    return (AutoBody(bodies, cost.Chooser(calibration, expected_run_fraction, prefill=prefill_calibration)),
+            f"execution='auto', {shapes}, impl={impl!r}, calibration {calibration.key()!r}, {prefill}")
 
 
 class RoutedLayer(nn.Module):

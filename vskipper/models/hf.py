@@ -30,6 +30,23 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+# Prefill attends blocks of this many RUN rows of a sequence, each over the keys up to its last
+# position: a mask alone does not skip the masked half, as causal attention does (the same measurement
+# as vskipper/triton_kernels/routed_prefill_attention.py's BLOCK_ROWS).
+PREFILL_BLOCK_ROWS = 128
+
+
+def _query_rows(mask, B: int, S: int, Skv: int) -> int:
+    """How many of the B*S new rows are tokens, read from the layer's mask [B or 1, 1, S, Skv] (bool,
+    or additive with 0 where attended): a token attends itself, a padding row does not."""
+    if mask is None:
+        return B * S
+    s = torch.arange(S, device=mask.device)
+    diag = mask[:, 0, s, Skv - S + s]  # [B or 1, S]
+    diag = diag if diag.dtype == torch.bool else diag == 0
+    return int(diag.sum()) * (B // diag.shape[0])
+
+
 class HFAttention(nn.Module):
     """A transformers attention module seen by a routed layer: K/V for all rows, queries for some."""
 
@@ -68,7 +85,8 @@ class HFAttention(nn.Module):
         if n == 0:
             return x.new_zeros(0, x.shape[-1])
         mask = ctx.get("attention_mask")
-        fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+        impl = attn.config._attn_implementation
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
         if fn is None:
             from transformers.models.llama.modeling_llama import eager_attention_forward as fn
 
@@ -88,10 +106,45 @@ class HFAttention(nn.Module):
                 at += b - a
             o = parts[0] if len(parts) == 1 else torch.cat(parts)
             return attn.o_proj(o.reshape(n, -1))  # [n, H]
-        # prefill: RUN rows are scattered through the sequences; attend for all, keep some
+        if (impl in ("eager", "sdpa") and (mask is None or torch.is_tensor(mask))
+                and n < _query_rows(mask, B, S, k.shape[2])):  # prefill: queries for the RUN rows only
+            return self._prefill_rows(fn, x, rows, k, v, cos, sin, mask)
+        # prefill where every token runs (the stock call's shapes: skipping nothing is the model bit for
+        # bit), or with another attention (flash, flex): attend for all rows, keep some
         q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), x, B, S), cos, sin)
         o = attn.o_proj(attend(q, k, v, mask).reshape(B, S, -1).contiguous())  # [B, S, H]
         return o.reshape(B * S, -1)[rows]
+
+    def _prefill_rows(self, fn, x, rows, k, v, cos, sin, mask):
+        """Prefill (S > 1): queries, attention and o_proj for the flat rows `rows` of [B*S] only. A
+        row at position s of sequence b attends b's keys as the layer's mask says (no mask: causal,
+        keys j <= Skv - S + s); per sequence, its rows gathered, one attention call per block of
+        PREFILL_BLOCK_ROWS rows over the keys up to the block's last position. -> [n, H]"""
+        attn = self.attn
+        B, S, H = x.shape
+        Skv, n = k.shape[2], rows.numel()
+        b_of, s_of = rows // S, rows % S  # [n]
+        cs, sn = cos.reshape(B * S, -1)[rows].unsqueeze(0), sin.reshape(B * S, -1)[rows].unsqueeze(0)  # [1, n, d]
+        q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), x.reshape(B * S, H)[rows][None], 1, n),
+                  cs, sn)  # [1, nh, n, d]
+        if mask is None:  # an additive mask, which eager and sdpa both take
+            allowed = torch.arange(Skv, device=x.device)[None, :] <= (Skv - S + s_of)[:, None]  # [n, Skv]
+            mask_rows = torch.zeros(n, 1, Skv, dtype=q.dtype, device=x.device).masked_fill_(
+                ~allowed[:, None], torch.finfo(q.dtype).min)
+        else:  # [B or 1, 1, S, Skv] -> [n, 1, Skv]
+            mask_rows = mask[b_of if mask.shape[0] == B else torch.zeros_like(b_of), :, s_of, :]
+        out = x.new_empty(n, q.shape[1] * q.shape[3])
+        last = (Skv - S + s_of).tolist()  # each row's key position, ascending within a sequence
+        for b in range(B):
+            idx = (b_of == b).nonzero().squeeze(1)
+            for j in range(0, idx.numel(), PREFILL_BLOCK_ROWS):  # blocks of rows, keys up to the block's last
+                blk = idx[j:j + PREFILL_BLOCK_ROWS]
+                L = last[int(blk[-1])] + 1
+                o, _ = fn(attn, q[:, :, blk].contiguous(), k[b:b + 1, :, :L], v[b:b + 1, :, :L],
+                          mask_rows[blk, :, :L].transpose(0, 1).unsqueeze(0).contiguous(), dropout=0.0,
+                          scaling=attn.scaling, sliding_window=getattr(attn, "sliding_window", None))
+                out[blk] = o.reshape(blk.numel(), -1)  # [1, nb, nh, d] -> [nb, nh * d]
+        return attn.o_proj(out)
 
 
 class HFDecoderStack(nn.Module):

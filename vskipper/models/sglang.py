@@ -55,8 +55,11 @@ class SGLangMLP(nn.Module):
 
 
 class SGLangAttention(nn.Module):
-    """An SGLang attention module seen by a routed layer: K/V written for all rows, attention for
-    RUN rows only at decode (prefill attends for all rows through SGLang's backend)."""
+    """An SGLang attention module seen by a routed layer: K/V written for all rows, attention and
+    o_proj for RUN rows only, at decode and in extend (prefill) batches: plain and mixed extend
+    batches, chunked prefill and radix-cache hits (a RUN row attends its request's cached prefix
+    and the chunk's earlier tokens). Other batches (speculative verify, split prefill) and sliding
+    windows attend for all rows through SGLang's backend."""
 
     def __init__(self, self_attn: nn.Module) -> None:
         super().__init__()
@@ -86,10 +89,34 @@ class SGLangAttention(nn.Module):
                            v.view(-1, layer.tp_v_head_num, layer.v_head_dim))
         return q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), pool, layer, fb
 
+    def _routes_extend(self, fb) -> bool:
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        window = getattr(self.self_attn.attn, "sliding_window_size", None)
+        return (fb.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and getattr(fb, "encoder_lens", None) is None
+                and (window is None or window < 0))
+
+    def _extend_rows(self, x, run, ctx, impl):
+        """Attention [T, nh * d] of an extend batch, zeros off `run` [T]; K/V of every row written."""
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool
+
+        from vskipper import ops
+
+        q, pool, layer, fb = self._qkv_and_write(x, ctx)
+        o = ops.routed_prefill_attention(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                                         get_req_to_token_pool().req_to_token, fb.req_pool_indices,
+                                         fb.extend_prefix_lens, fb.extend_seq_lens, run, layer.scaling, impl=impl)
+        return o.reshape(q.shape[0], -1)
+
     def some_rows(self, x, rows, ctx):
         """Attention output [n, H] for rows `rows` of [T]; K/V of every row written."""
-        if not ctx["forward_batch"].forward_mode.is_decode():
-            return self.all_rows(x, ctx)[rows]
+        fb = ctx["forward_batch"]
+        if not fb.forward_mode.is_decode():
+            if not self._routes_extend(fb):
+                return self.all_rows(x, ctx)[rows]
+            run = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, rows, True)
+            o = self._extend_rows(x, run, ctx, "torch")  # [T, nh * d]
+            return self._o_proj(o[rows]) if rows.numel() else x.new_zeros(0, x.shape[-1])
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         from vskipper import ops
@@ -106,9 +133,13 @@ class SGLangAttention(nn.Module):
         return self._o_proj(o[rows].reshape(n, -1))
 
     def masked_rows(self, x, run, ctx, impl):
-        """Attention output [T, H], meaningful for rows with `run` set; fixed shapes, no host sync."""
-        if not ctx["forward_batch"].forward_mode.is_decode():
-            return self.all_rows(x, ctx)
+        """Attention output [T, H], meaningful for rows with `run` set; fixed shapes, no host sync
+        (decode; extend batches are never captured, and the torch form reads their lengths)."""
+        fb = ctx["forward_batch"]
+        if not fb.forward_mode.is_decode():
+            if not self._routes_extend(fb):
+                return self.all_rows(x, ctx)
+            return self._o_proj(self._extend_rows(x, run, ctx, impl))
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         from vskipper import ops

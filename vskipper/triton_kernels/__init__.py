@@ -7,4 +7,4 @@ Call them through `vskipper.ops`, the one dispatch point. Nothing is imported he
 decorated when its module is first imported, and TRITON_INTERPRET=1 (CPU) must be set before that.
 """
 
-OPS = ("route_maps", "grouped_swiglu", "masked_decode_attention")
+OPS = ("route_maps", "grouped_swiglu", "masked_decode_attention", "routed_prefill_attention")
