@@ -78,15 +78,6 @@ def layer_sets(model):
     return out
 
 
-def use(model, layers, state) -> None:
-    for i, layer in enumerate(layers):
-        model.model.layers[i] = layer
-    if hasattr(model, "vskipper"):
-        del model.vskipper
-    if state is not None:
-        model.vskipper = state
-
-
 def run(args, runner) -> None:
     import numpy as np
     import torch
@@ -94,6 +85,7 @@ def run(args, runner) -> None:
     from sglang.benchmark import one_batch
 
     from vskipper.bench.paired import paired_delta
+    from vskipper.bench.runner import use
 
     torch.set_num_threads(args.threads)
     model = runner.torch_runner.model

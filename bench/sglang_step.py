@@ -76,15 +76,6 @@ def layer_sets(model, systems):
     return out
 
 
-def use(model, layers, state) -> None:
-    for i, layer in enumerate(layers):
-        model.model.layers[i] = layer
-    if hasattr(model, "vskipper"):
-        del model.vskipper
-    if state is not None:
-        model.vskipper = state
-
-
 def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, float]:
     """us per routed layer of the routing work alone at T rows: router, decisions, route maps, counter,
     and the dynamic routed body's gathers (RUN and PROJECT rows of h, half each) and scatters back
@@ -130,6 +121,7 @@ def run(args, runner) -> None:
     from sglang.benchmark import one_batch
 
     from vskipper.bench.paired import paired_delta
+    from vskipper.bench.runner import use
 
     torch.set_num_threads(args.threads)
     model = runner.torch_runner.model

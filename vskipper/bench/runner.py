@@ -44,3 +44,14 @@ def with_model_runner(model_path: str, work, max_total_tokens: int = 4096, token
         one_batch.main(server_args, bench_args)
     finally:
         one_batch.latency_test = saved
+
+
+def use(model, layers, state) -> None:
+    """Put one system's decoder layers (and its vskipper state, or none: upstream) in `model`, for
+    benchmarks that compare systems over one loaded SGLang model."""
+    for i, layer in enumerate(layers):
+        model.model.layers[i] = layer
+    if hasattr(model, "vskipper"):
+        del model.vskipper
+    if state is not None:
+        model.vskipper = state

@@ -32,6 +32,7 @@ class System:
     env: tuple[tuple[str, str], ...] = ()
     label: str = ""  # how a verdict names it, e.g. "RandomSkip(0.5)"
     opted_out: float = 0.0
+    args: tuple[str, ...] = ()  # more `sglang.launch_server` flags, e.g. ("--chunked-prefill-size", "512")
 
 
 @dataclass
@@ -66,6 +67,7 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
     if not torch.cuda.is_available():
         env["SGLANG_PLATFORM"] = "vskipper_cpu"
         cmd += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
+    cmd += list(system.args)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{system.name}.log"
     log = open(log_path, "w")

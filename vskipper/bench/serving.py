@@ -187,6 +187,33 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     return text
 
 
+def default_systems(model: str | None = None, skipper: str | None = None) -> list[System]:
+    """The systems the serving benchmarks compare: upstream, vskipper at rate 0 (the same engine path
+    with nothing skipped), vskipper with the skipper under test (default RandomSkip 0.5 over the
+    second half of the layers) and, on the bundled SmolLM2-135M with the default skipper, the
+    FlexiDepth skipper shipped for it. ValueError for a bad skipper spec (before any server starts)."""
+    from vskipper.models.checkpoint import read_config
+    from vskipper.skippers import parse_skipper
+
+    trained = None
+    if model is None:
+        from vskipper.models.smollm2 import smollm2_dir
+        from vskipper.skippers.shipped import DEFAULT
+
+        model = str(smollm2_dir())
+        trained = f"flexidepth:name={DEFAULT}"  # trained for exactly this model
+    n = read_config(model)["num_hidden_layers"]
+    layers = f"{n // 2}-{n - 1}"
+    spec = skipper or f"random:rate=0.5,layers={layers},seed=0"
+    label = type(parse_skipper(spec)).__name__ if skipper is not None else "RandomSkip(0.5)"
+    systems = [System("upstream", model, label="upstream"),
+               System("vskipper-rate0", model, f"random:rate=0,layers={layers}", label="rate 0"),
+               System("vskipper", model, spec, label=f"vskipper {label}")]
+    if trained is not None and skipper is None:
+        systems.append(System("vskipper-trained", model, trained, label="trained FlexiDepth"))
+    return systems
+
+
 def main(argv=None, started: float | None = None) -> None:
     """started: time.perf_counter() when the job began (the quick run's time budget counts from it)."""
     ap = argparse.ArgumentParser(prog="vskipper bench serve", description=__doc__,
@@ -208,31 +235,11 @@ def main(argv=None, started: float | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output directory (default out/bench-serve or out/bench-serve-quick)")
     args = ap.parse_args(argv)
-    from vskipper.models.checkpoint import read_config
-    from vskipper.skippers import parse_skipper
-
-    model = args.model_path
-    trained = None
-    if model is None:
-        from vskipper.models.smollm2 import smollm2_dir
-        from vskipper.skippers.shipped import DEFAULT
-
-        model = str(smollm2_dir())
-        trained = f"flexidepth:name={DEFAULT}"  # trained for exactly this model
-    n = read_config(model)["num_hidden_layers"]
-    layers = f"{n // 2}-{n - 1}"
-    spec = args.skipper or f"random:rate=0.5,layers={layers},seed=0"
     try:
-        label = type(parse_skipper(spec)).__name__  # fail now, not after the servers started
+        systems = default_systems(args.model_path, args.skipper)
     except ValueError as e:
         ap.error(str(e))
-    if args.skipper is None:
-        label = "RandomSkip(0.5)"
-    systems = [System("upstream", model, label="upstream"),
-               System("vskipper-rate0", model, f"random:rate=0,layers={layers}", label="rate 0"),
-               System("vskipper", model, spec, label=f"vskipper {label}")]
-    if trained is not None and args.skipper is None:
-        systems.append(System("vskipper-trained", model, trained, label="trained FlexiDepth"))
+    model, spec, label = systems[0].model_path, systems[2].skipper, systems[2].label.removeprefix("vskipper ")
     if args.quick:
         from vskipper.bench import quick
 
