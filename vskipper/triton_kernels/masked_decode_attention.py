@@ -168,7 +168,7 @@ def reference_dynamic(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq
     slots = req_to_token.index_select(0, req_pool_indices.index_select(0, run).long())[:, :L].long()  # [n, L]
     attended = torch.arange(L, device=q.device)[None, :] < lens[:, None]
     slots = torch.where(attended, slots, 0).reshape(-1)
-    n, (B, nh, d), kvh = run.numel(), q.shape, k_buffer.shape[1]
+    n, (_, nh, d), kvh = run.numel(), q.shape, k_buffer.shape[1]
     k = k_buffer.index_select(0, slots).view(n, L, kvh, -1).transpose(1, 2).float()  # [n, kvh, L, d]
     v = v_buffer.index_select(0, slots).view(n, L, kvh, -1).transpose(1, 2).float()
     qg = q.index_select(0, run).float().reshape(n, kvh, nh // kvh, d)  # [n, kvh, G, d]
