@@ -54,16 +54,14 @@ def parse(argv=None) -> argparse.Namespace:
 def layer_sets(model):
     """{system: (decoder layers, vskipper state or None)} over one model."""
     import vskipper
+    from vskipper.bench.runner import use
     from vskipper.models.sglang import SGLangRoutedLayer
 
     inner = model.model
     upstream = list(inner.layers)
     out = {}
     for name, (spec, routed_extend) in SYSTEMS.items():
-        for i, layer in enumerate(upstream):
-            inner.layers[i] = layer
-        if hasattr(model, "vskipper"):
-            del model.vskipper
+        use(model, upstream, None)
         if spec is None:
             out[name] = (upstream, None)
             continue

@@ -58,16 +58,14 @@ def parse(argv=None) -> argparse.Namespace:
 def layer_sets(model, systems):
     """{system: (decoder layers, vskipper state or None)}: each system's layers over one model."""
     import vskipper
+    from vskipper.bench.runner import use
 
     inner = model.model
     upstream = list(inner.layers)
     out = {}
     for name in systems:
         spec, execution = SYSTEMS[name]
-        for i, layer in enumerate(upstream):
-            inner.layers[i] = layer
-        if hasattr(model, "vskipper"):
-            del model.vskipper
+        use(model, upstream, None)
         if spec is None:
             out[name] = (upstream, None)
             continue
