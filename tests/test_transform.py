@@ -67,6 +67,26 @@ def test_skipping_nothing_is_the_base_model(family, body, kind):
     assert all(s["project"] == 0 and s["run"] == s["tokens"] > 0 for s in st.values()), st
 
 
+@pytest.mark.parametrize("body", ["routed", "routed-mlp"])
+def test_a_step_where_every_row_runs_is_the_engine_layer(body, monkeypatch):
+    """When every row of a step runs, the routed bodies run the decoder layer as the engine computes
+    it: the engine's attention for all rows, no gathers (their row-subset attention never called)."""
+    from vskipper.models.hf import HFAttention
+
+    subset = []
+    some_rows = HFAttention.some_rows
+    monkeypatch.setattr(HFAttention, "some_rows", lambda self, x, rows, ctx: subset.append(rows.numel())
+                        or some_rows(self, x, rows, ctx))
+    base = tiny_llama()
+    m = transformed(base, vskipper.RandomSkip(0.0, [1, 2, 4]), body)
+    ids = prompts((9,))[0][None]
+    with torch.no_grad():
+        assert_equal(m(ids).logits, base(ids).logits, "logits")
+        out = m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert_equal(out, base.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), "greedy tokens")
+    assert subset == [], f"the row-subset attention ran for {subset} rows"
+
+
 # --- a real skipper matches the eager reference ---------------------------------------------
 def fast_decisions(calls, layer, b=0, pad=0):
     """Route decisions of sequence b from the recorded router outputs (prefill, then 1 per step)."""

@@ -76,6 +76,9 @@ class RoutedBody(Body):
         n_run, n_proj = counts.tolist()  # the dynamic form: data-dependent shapes are allowed here
         hf = h.reshape(-1, h.shape[-1])  # [T, H]
         gf = g.reshape(-1)  # [T]
+        if n_run == hf.shape[0]:  # every row runs (rate 0; a step nothing skips): the decoder layer as
+            h1 = hf + layer.attention.all_rows(x, ctx).reshape(hf.shape)  # the engine computes it, no gathers
+            return run_value(h1, layer.mlp(layer.post_norm(h1)), gf, layer.soft).view_as(h)
         out = hf.clone()  # PROJECT rows without an adapter, and padding, keep h
         rr = run_rows[:n_run].long()
         if self.attend_all:
