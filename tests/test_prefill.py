@@ -259,6 +259,38 @@ def test_sglang_routed_prefill_matches_reference(tmp_path, family, execution, st
         assert out == ref[len(p):].tolist(), f"prompt of {len(p)} tokens: sglang {out} != reference {ref[len(p):].tolist()}"
 
 
+@pytest.mark.sglang
+@pytest.mark.parametrize("family, static", [("llama", "0"), ("qwen3", "0"), ("llama", "1")])
+def test_sglang_prefill_projects_queries_of_run_rows_only(tmp_path, family, static):
+    """In an SGLang extend batch a routed layer projects the queries of its RUN rows only (PROJECT
+    rows: K and V), and what it computes equals SGLang's own forward_prepare_native: q on the RUN
+    rows, k and v on every row (Qwen3: its q/k norms too); the dynamic and the fixed-shape body."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vskipper.models.hf_loader import save_checkpoint
+
+    base = (tiny_llama if family == "llama" else tiny_qwen3)()
+    sk = flexidepth_for(base, [1, 3, 4], gate="soft" if family == "llama" else "hard")
+    path = save_checkpoint(tmp_path / "ckpt", base, sk)
+    out = tmp_path / "queries.json"
+    env = {**os.environ, "VSKIPPER_EXECUTION": "routed", "VSKIPPER_STATIC_SHAPES": static,
+           "PYTHONPATH": os.pathsep.join([str(Path(vskipper.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "prefill_queries.py"), str(path), str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    calls = {c["layer"]: c for c in res["calls"]}
+    assert sorted(calls) == list(sk.layers), f"every routed layer projects its queries by rows once: {res['calls']}"
+    for l, c in calls.items():
+        run = res["stats"][str(l)]["run"]
+        assert c["T"] == 126 and c["rows"] == run and 0 < run < 126, f"layer {l}: {c}, {res['stats'][str(l)]}"
+        assert max(c["q"], c["k"], c["v"]) < 1e-5 and c["q_off_rows_zero"], f"layer {l}: {c}"
+
+
 # --- the cost model's prefill table --------------------------------------------------------------
 def phase_tables():
     """A decode table where dense always wins and a prefill table where routed wins from T = 4."""

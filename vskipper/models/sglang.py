@@ -65,6 +65,14 @@ class SGLangAttention(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.reduce = _needs_rank_sum(self_attn.o_proj)
+        # _prepare_rows restates forward_prepare_native for the two families registered here
+        # (SGLang 0.5.23: qkv_proj, split, Qwen3's apply_qk_norm, rotary_emb); any other attention
+        # projects every row's query through its own forward_prepare_native.
+        from sglang.srt.models.llama import LlamaAttention
+        from sglang.srt.models.qwen3 import Qwen3Attention
+
+        self.qk_norm = type(self_attn) is Qwen3Attention
+        self.splits_qkv = type(self_attn) in (LlamaAttention, Qwen3Attention)
 
     def _o_proj(self, o):
         out, _ = self.self_attn.o_proj(o)
@@ -78,11 +86,34 @@ class SGLangAttention(nn.Module):
     def is_decode(x, ctx) -> bool:
         return ctx["forward_batch"].forward_mode.is_decode()
 
-    def _qkv_and_write(self, x, ctx):
+    def _prepare_rows(self, positions, x, rows):
+        """forward_prepare_native's (q, k, v) with the query projected for `rows` only (zeros
+        elsewhere, which no attention reads): K and V of every row, as SGLang computes them. The
+        fused qkv_proj is split by its output rows (q, then k and v: this rank's shards under tensor
+        parallelism), so a PROJECT token skips its share of the q projection; Qwen3's q/k norms and
+        the rotary embedding are SGLang's own calls, on tensors of the usual shapes."""
+        sa = self.self_attn
+        w, b = sa.qkv_proj.weight, sa.qkv_proj.bias
+        n = sa.q_size
+        k, v = torch.nn.functional.linear(x, w[n:], None if b is None else b[n:]).split([sa.kv_size, sa.kv_size], -1)
+        q_run = torch.nn.functional.linear(x.index_select(0, rows), w[:n], None if b is None else b[:n])
+        q = x.new_zeros(x.shape[0], n).index_copy_(0, rows, q_run)
+        if self.qk_norm:
+            from sglang.srt.models.utils import apply_qk_norm
+
+            q, k = apply_qk_norm(q=q, k=k, q_norm=sa.q_norm, k_norm=sa.k_norm, head_dim=sa.head_dim)
+        return (*sa.rotary_emb(positions, q, k), v)
+
+    def _qkv_and_write(self, x, ctx, rows=None):
+        """q [T, heads, d], the pool, the attention layer and the batch; K/V of every row written.
+        rows: the rows whose queries are needed (None: all), in extend batches."""
         from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
         sa, fb = self.self_attn, ctx["forward_batch"]
-        q, k, v = sa.forward_prepare_native(ctx["positions"], x)
+        if rows is not None and self.splits_qkv and rows.numel() < x.shape[0]:
+            q, k, v = self._prepare_rows(ctx["positions"], x, rows)
+        else:
+            q, k, v = sa.forward_prepare_native(ctx["positions"], x)
         layer = sa.attn
         pool = get_token_to_kv_pool()
         pool.set_kv_buffer(layer, fb.out_cache_loc, k.view(-1, layer.tp_k_head_num, layer.qk_head_dim),
@@ -96,13 +127,14 @@ class SGLangAttention(nn.Module):
         return (fb.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and getattr(fb, "encoder_lens", None) is None
                 and (window is None or window < 0))
 
-    def _extend_rows(self, x, run, ctx, impl):
-        """Attention [T, nh * d] of an extend batch, zeros off `run` [T]; K/V of every row written."""
+    def _extend_rows(self, x, run, rows, ctx, impl):
+        """Attention [T, nh * d] of an extend batch, zeros off `run` [T] (`rows`: its indices); K/V of
+        every row written, queries projected for `rows` only."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         from vskipper import ops
 
-        q, pool, layer, fb = self._qkv_and_write(x, ctx)
+        q, pool, layer, fb = self._qkv_and_write(x, ctx, rows)
         o = ops.routed_prefill_attention(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                                          get_req_to_token_pool().req_to_token, fb.req_pool_indices,
                                          fb.extend_prefix_lens, fb.extend_seq_lens, run, layer.scaling, impl=impl)
@@ -115,7 +147,7 @@ class SGLangAttention(nn.Module):
             if not self._routes_extend(fb):
                 return self.all_rows(x, ctx)[rows]
             run = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, rows, True)
-            o = self._extend_rows(x, run, ctx, "torch")  # [T, nh * d]
+            o = self._extend_rows(x, run, rows, ctx, "torch")  # [T, nh * d]
             return self._o_proj(o[rows]) if rows.numel() else x.new_zeros(0, x.shape[-1])
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
@@ -139,7 +171,8 @@ class SGLangAttention(nn.Module):
         if not fb.forward_mode.is_decode():
             if not self._routes_extend(fb):
                 return self.all_rows(x, ctx)
-            return self._o_proj(self._extend_rows(x, run, ctx, impl))
+            rows = run.nonzero().squeeze(1)  # a host read: extend batches are never captured
+            return self._o_proj(self._extend_rows(x, run, rows, ctx, impl))
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         from vskipper import ops
