@@ -1,4 +1,5 @@
 """The serving benchmark's arithmetic, without servers: arrivals, throughput, knee search, table."""
+import dataclasses
 import json
 import math
 
@@ -201,15 +202,19 @@ def test_quick_settings_reject_bad_values_naming_the_field():
         quick.Settings(output_len=3)
     with pytest.raises(ValueError, match="open_load"):
         quick.Settings(open_load=0)
+    with pytest.raises(ValueError, match="min_rounds=4 must be >= lifetimes=5"):
+        quick.Settings(lifetimes=5, rounds=8)
     with pytest.raises(ValueError, match="questions=500"):
         quick.question_subset(500)
 
 
 class FakeClient:
     """Stands in for SGLang's client: a system's tok/s = its speed x the round's mood (a slow spell
-    hits every system of a round alike); answers: upstream right, 'slow' wrong on every other one."""
+    hits every system of a round alike) x its server's offset for that server's life (url
+    "<system>@<lifetime>"); answers: upstream right, 'slow' wrong on every other one."""
 
     speed = {"upstream": 100.0, "fast": 112.0, "slow": 95.0}
+    offset: dict = {}
     calls: list = []
     clock = [0.0]  # fake seconds: every call takes 10
 
@@ -227,21 +232,26 @@ class FakeClient:
     def run(self, url, rows, concurrency, rate=math.inf, seed=0, ignore_eos=True):
         FakeClient.calls.append((url, tuple(rows), concurrency, rate, seed))
         FakeClient.clock[0] += 10.0
-        if rows[0][0] == "question":
-            qs = quick.question_subset(len(rows))
-            texts = tuple(f"= {int(q['answer']) + (url == 'slow' and i % 2)}" for i, q in enumerate(qs))
+        if rows[0][0] == "question":  # the 8 questions' answers; slow is wrong on every other one
+            qs = {q["prompt"]: (int(q["answer"]), i % 2) for i, q in enumerate(quick.question_subset(8))}
+            texts = tuple(f"= {qs[p][0] + (url.startswith('slow') and qs[p][1])}" for _, p in rows)
             return LoadResult(len(rows), len(rows), 1.0, 1.0, 1.0, 1.0, 1.0, texts, ("",) * len(rows))
-        tp = self.speed[url] * self.mood
+        tp = self.speed[url.split("@")[0]] * self.mood * self.offset.get(url, 1.0)
         return LoadResult(len(rows), len(rows), 1.0, tp, 1e4 / tp, 1e4 / tp, 2e4 / tp, (), ())
 
 
 def fake_quick(monkeypatch):
     from vskipper.bench import sglang_client
 
-    FakeClient.calls, FakeClient.clock = [], [0.0]
+    FakeClient.calls, FakeClient.clock, FakeClient.offset = [], [0.0], {}
     monkeypatch.setattr(sglang_client, "Client", FakeClient)
-    monkeypatch.setattr(quick, "start_all", lambda systems, *a, **k: {s.name: type("S", (), {"url": s.name})()
-                                                                      for s in systems})
+    lives = []
+
+    def start_all(systems, *a, **k):  # each call: a new lifetime of every server
+        lives.append(len(lives))
+        return {s.name: type("S", (), {"url": f"{s.name}@{lives[-1]}"})() for s in systems}
+
+    monkeypatch.setattr(quick, "start_all", start_all)
     monkeypatch.setattr(quick, "stop", lambda srv: None)
     monkeypatch.setattr(quick, "memory_gb", lambda srv: 1.0)
     monkeypatch.setattr(quick, "transform_line", lambda srv: None)
@@ -255,11 +265,18 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
 
     calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt"]  # the measured calls
     assert len(calls) == 5 * 3 * 3
+    res_lives = json.loads((tmp_path / "results.json").read_text())["lifetimes"]
+    assert res_lives == [0, 0, 1, 1, 1]  # 5 rounds fit: 2 on the first servers, the rest after the restart
+    questions = [c for c in FakeClient.calls if c[1][0][0] == "question"]  # a share per lifetime warms it up
+    assert [c[0].split("@")[1] for c in questions] == ["0"] * 3 + ["1"] * 3 and all(len(c[1]) == 4 for c in questions)
+    assert FakeClient.calls.index(questions[5]) == FakeClient.calls.index(calls[18]) - 1  # right after the restart
     orders = paired.round_orders(["upstream", "fast", "slow"], 5, 0)
     for r in range(5):
         rnd = calls[9 * r: 9 * (r + 1)]
         closed, opened = rnd[:6], rnd[6:]
-        assert [c[0] for c in closed[:3]] == orders[r] == [c[0] for c in closed[3:]] == [c[0] for c in opened]
+        life = res_lives[r]
+        want = [f"{n}@{life}" for n in orders[r]]
+        assert [c[0] for c in closed[:3]] == want == [c[0] for c in closed[3:]] == [c[0] for c in opened]
         for conc in (4, 8):  # every system of the round got the very same requests
             assert len({c[1] for c in closed if c[2] == conc}) == 1
         assert len({(c[1], c[3], c[4]) for c in opened}) == 1  # same requests, same rate, same arrival seed
@@ -280,6 +297,24 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     assert (tmp_path / "serving-quick.png").stat().st_size > 10_000
 
 
+def test_a_servers_whole_life_offset_enters_the_ci(monkeypatch, tmp_path):
+    """fast's second server lifetime runs 8% faster throughout: the rounds on both lifetimes put both
+    ratios (+12% and +21%) inside the CI, with the median between; one lifetime would report the
+    first server's ratio alone, with a CI of zero width."""
+    systems = fake_quick(monkeypatch)
+    FakeClient.offset = {"fast@1": 1.08}
+    s = quick.Settings(rounds=6, concurrencies=(8,), open_requests=6, output_len=10, questions=8)
+    quick.run(systems, s, tmp_path)
+    res = json.loads((tmp_path / "results.json").read_text())
+    fast = res["deltas"]["concurrency 8"]["fast"]["tok_s"]
+    assert res["lifetimes"] == [0, 0, 0, 1, 1, 1]
+    assert fast["lo"] == pytest.approx(0.12) and fast["hi"] == pytest.approx(1.12 * 1.08 - 1)
+    assert 0.12 <= fast["median"] <= 1.12 * 1.08 - 1
+    quick.run(systems, dataclasses.replace(s, lifetimes=1), tmp_path)
+    one = json.loads((tmp_path / "results.json").read_text())["deltas"]["concurrency 8"]["fast"]["tok_s"]
+    assert one["lo"] == pytest.approx(0.12) and one["hi"] == pytest.approx(0.12)
+
+
 def test_quick_run_stops_rounds_at_the_time_budget_but_not_below_min_rounds(monkeypatch, tmp_path):
     """Each fake call takes 10 s: quality 30 s, a round of 3 systems x 3 loads 90 s."""
     systems = fake_quick(monkeypatch)
@@ -298,14 +333,14 @@ def test_quick_run_names_a_server_that_died_mid_run(monkeypatch, tmp_path):
     systems = fake_quick(monkeypatch)
     dead = type("P", (), {"poll": lambda self: -15})()
     monkeypatch.setattr(quick, "start_all", lambda systems, *a, **k: {
-        s.name: type("S", (), {"url": s.name, "log_path": tmp_path / f"server-{s.name}.log",
+        s.name: type("S", (), {"url": s.name + "@0", "log_path": tmp_path / f"server-{s.name}.log",
                                "proc": dead if s.name == "slow" else type("P", (), {"poll": lambda self: None})()})()
         for s in systems})
 
     real = FakeClient.run
 
     def run(self, url, rows, *a, **k):
-        if url == "slow":
+        if url == "slow@0":
             raise ConnectionError("Connection reset by peer")
         return real(self, url, rows, *a, **k)
 

@@ -1,16 +1,18 @@
 """The quick serving benchmark (`make demo`): paired rounds through SGLang's own client, with
 quality measured beside speed, in under 10 minutes on 2 CPUs.
 
-1. start every system's server once (in parallel), one CPU thread each (see Settings);
+1. start every system's server (in parallel), one CPU thread each (see Settings);
 2. quality, which also warms every server up: a spread of the shipped arithmetic questions,
-   greedy, through every server: accuracy (the answer's last integer, as bench/quality.py scores
+   greedy, through every system (a share per server lifetime, see 3): accuracy (the answer's last integer, as bench/quality.py scores
    it), how often that answer equals upstream's, and greedy agreement (the share of upstream's
    answer tokens a system reproduces before its first divergence);
 3. paired rounds, as many as the time budget allows (at least min_rounds): each round samples
    fresh shipped prompts (the same for every system) and runs every system, in a fresh random order, at each closed-loop concurrency (output tok/s, TPOT),
    then at one open-loop load, Poisson arrivals at `open_load` x upstream's capacity (e2e,
    TTFT); capacity = upstream's output throughput at the highest concurrency in round 1 / output
-   length, then fixed for the run;
+   length, then fixed for the run. The rounds are shared out over `lifetimes` server lifetimes:
+   midway every server is stopped and started afresh (then warmed by its next share of the
+   questions), because a server is a few percent faster or slower for its whole life;
 4. per metric the median of per-round ratios against upstream with a bootstrap 95% CI
    (vskipper.bench.paired), tables, one verdict line and a figure, written to --out.
 """
@@ -50,13 +52,25 @@ class Settings:
     # concurrency 8, 7.6-38 at 32) whenever another process held a core, its OpenMP threads
     # waiting on each other; with 1 thread it held 43-45 and 92-100 tok/s alongside the same load.
     server_threads: int = 1
+    # Server lifetimes per run, the rounds shared out over them. Two servers of one configuration
+    # differ by a few percent for their whole life (2026-12-01, this VM: one rate-0 server measured
+    # 1.013 and, restarted, 0.954 of the same upstream server, each within a spread of +-3% over 6
+    # rounds); with one lifetime, three runs gave rate-0 deltas of -1.2%, -6.3% and -7.9%, each with a
+    # CI about 2 points wide. Restarting midway puts that spread inside each run's CI and halves its
+    # weight in the median. (Two servers per system at once: 8 SGLang servers took 20 of this VM's
+    # 23 GB and over 2.5 minutes to start.)
+    lifetimes: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("open_requests", "questions", "answer_tokens", "max_total_tokens", "server_threads"):
+        for name in ("open_requests", "questions", "answer_tokens", "max_total_tokens", "server_threads", "lifetimes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Settings.{name}={getattr(self, name)} must be >= 1")
         if self.min_rounds < 3:
             raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 (a median and a CI need a few rounds)")
+        if self.min_rounds < self.lifetimes:
+            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= lifetimes={self.lifetimes} (a round per lifetime)")
+        if self.questions < self.lifetimes:
+            raise ValueError(f"Settings.questions={self.questions} must be >= lifetimes={self.lifetimes} (a share per lifetime)")
         if self.rounds < self.min_rounds:
             raise ValueError(f"Settings.rounds={self.rounds} must be >= min_rounds={self.min_rounds}")
         if not self.concurrencies or any(c < 1 for c in self.concurrencies):
@@ -115,7 +129,10 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     metrics_of = {**{c: CLOSED_METRICS for c in closed}, open_label: OPEN_METRICS}
     rounds = {load: {n: [] for n in names} for load in metrics_of}
     failed = {load: {n: 0 for n in names} for load in metrics_of}
-    servers, transforms, orders, rate = {}, {}, [], None
+    servers, transforms, orders, lives, rate = {}, {}, [], [], None
+    questions = question_subset(s.questions)
+    qrows = client.question_rows([q["prompt"] for q in questions], s.answer_tokens)
+    texts = {n: [None] * len(qrows) for n in names}
 
     def send(n: str, rows, **kw):
         try:
@@ -126,41 +143,59 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                 raise
             raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
 
-    try:
-        log(f"phase 1/4: starting {len(systems)} SGLang servers ({', '.join(names)}) in parallel, "
-            f"{s.server_threads} CPU thread(s) each")
-        with bar(len(systems), "servers up") as b:
+    def start_life(life: int) -> float:
+        """Start every server (again) and put to each system its share `life` of the questions, which
+        warms the new servers up; returns the seconds it took."""
+        nonlocal servers
+        t0 = time.perf_counter()
+        what = f"lifetime {life + 1}/{s.lifetimes}"
+        if life:
+            for srv in servers.values():
+                stop(srv)
+            log(f"servers restarted ({what}): {len(systems)} SGLang servers, then their share of the questions")
+        with bar(len(systems), f"servers up ({what})") as b:
             servers = start_all(systems, out, s.max_total_tokens, on_ready=lambda n: b.update(1),
                                 threads=s.server_threads, log_level="info")
-        log("server memory (PSS): " + ", ".join(f"{n} {memory_gb(srv):.1f} GB" for n, srv in servers.items()))
-        for n, srv in servers.items():
-            transforms[n] = transform_line(srv)
-            if transforms[n]:
-                log(f"{n}: {transforms[n]}")
-
-        log(f"phase 2/4: quality (and warm-up): {s.questions} arithmetic questions, greedy, "
-            f"<= {s.answer_tokens} new tokens, through every server")
-        questions = question_subset(s.questions)
-        qrows = client.question_rows([q["prompt"] for q in questions], s.answer_tokens)
-        texts = {}
-        with bar(len(systems), "quality") as b:
+        if not life:
+            log("server memory (PSS): " + ", ".join(f"{n} {memory_gb(srv):.1f} GB" for n, srv in servers.items()))
+            for n, srv in servers.items():
+                transforms[n] = transform_line(srv)
+                if transforms[n]:
+                    log(f"{n}: {transforms[n]}")
+            log(f"phase 2/4: quality (and warm-up): {s.questions} arithmetic questions, greedy, <= {s.answer_tokens} "
+                f"new tokens, through every system, shared out over the {s.lifetimes} server lifetime(s)")
+        share = list(range(life, len(qrows), s.lifetimes))
+        with bar(len(systems), f"quality ({what})") as b:
             for n in names:
-                res = send(n, qrows, concurrency=len(qrows), ignore_eos=False)
+                res = send(n, [qrows[i] for i in share], concurrency=len(share), ignore_eos=False)
                 if res.completed != res.requests:
                     bad = next(e for e in res.errors if e)
                     raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: {bad[-500:]}")
-                texts[n] = res.texts
+                for i, t in zip(share, res.texts):
+                    texts[n][i] = t
                 b.update(1)
+        return time.perf_counter() - t0
 
+    try:
+        log(f"phase 1/4: starting {len(systems)} SGLang servers ({', '.join(names)}) in parallel, "
+            f"{s.server_threads} CPU thread(s) each")
+        life_s = start_life(0)
         log(f"phase 3/4: paired rounds ({s.min_rounds} to {s.rounds}, as the {s.budget_s:.0f} s budget allows) x "
-            f"{len(systems)} systems x {len(metrics_of)} loads, {s.output_len} output tokens per request")
+            f"{len(systems)} systems x {len(metrics_of)} loads, {s.output_len} output tokens per request, "
+            f"over {s.lifetimes} server lifetime(s)")
+        life, in_life, per_life, round_s = 0, 0, None, 0.0
         with bar(s.rounds * len(systems) * len(metrics_of), "paired rounds") as b:
-            t_rounds = time.perf_counter()
             for r, order in enumerate(round_orders(names, s.rounds, s.seed)):
-                per_round = (time.perf_counter() - t_rounds) / max(1, r)
-                if r >= s.min_rounds and time.perf_counter() + per_round + 10 > deadline:  # 10 s: stop, report
+                per_round = round_s / max(1, r)
+                last_life = life == s.lifetimes - 1
+                if (r >= s.min_rounds and last_life and in_life
+                        and time.perf_counter() + per_round + 10 > deadline):  # 10 s: stop, report
                     log(f"time budget: stopping after {r} rounds ({per_round:.0f} s each)")
                     break
+                if not last_life and in_life == per_life:
+                    life, in_life = life + 1, 0
+                    start_life(life)
+                t_round = time.perf_counter()
                 orders.append(order)
                 rows = {c: client.prompt_rows(c, s.output_len, seed=s.seed + 1000 * r + c) for c in s.concurrencies}
                 for c, load in zip(s.concurrencies, closed):  # per load, the systems back to back
@@ -180,6 +215,15 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                     rounds[open_label][n].append(measure(res, open_label))
                     failed[open_label][n] += res.requests - res.completed
                     b.update(1)
+                lives.append(life)
+                in_life += 1
+                round_s += time.perf_counter() - t_round
+                if per_life is None:  # after round 1: the rounds that fit, shared out over the lifetimes
+                    left = deadline - time.perf_counter() - 10 - (s.lifetimes - 1) * life_s
+                    fit = min(s.rounds, max(s.min_rounds, 1 + int(left // round_s)))
+                    per_life = fit // s.lifetimes  # the last lifetime takes the rest, as the budget allows
+                    if s.lifetimes > 1:
+                        log(f"{fit} rounds fit the budget: {per_life} per server lifetime")
                 b.set_postfix_str(" ".join(f"{n}={rounds[closed[-1]][n][-1]['tok_s']:.0f}" for n in names))
     finally:
         for srv in servers.values():
@@ -207,7 +251,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
               f"quick paired run: {len(orders)} rounds, closed loop at concurrency {', '.join(map(str, s.concurrencies))} "
               f"(one wave each), open loop {s.open_requests} requests at {rate:.2f} req/s "
               f"({s.open_load}x upstream's capacity), {s.output_len} output tokens per request, "
-              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server; deltas: median of per-round ratios vs {names[0]} [bootstrap 95% CI]; "
+              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {max(lives) + 1} server lifetime(s), rounds per lifetime {[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} [bootstrap 95% CI]; "
               f"{wall:.0f} s (servers included)")
     curve = {n: sorted([(_median(rounds[c][n], "tok_s") / s.output_len, _median(rounds[c][n], "e2e_ms") / 1e3)
                         for c in closed] + [(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]) for n in names}
@@ -221,7 +265,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     (out / "results.json").write_text(json.dumps({
         "settings": asdict(s), "systems": [asdict(x) for x in systems], "transforms": transforms,
         "open_rate": rate, "rounds": rounds,
-        "orders": orders, "failed": failed, "quality": quality, "verdict": line,
+        "orders": orders, "lifetimes": lives, "failed": failed, "quality": quality, "verdict": line,
         "deltas": {load: {n: {m: asdict(v) for m, v in dm.items()} for n, dm in dl.items()} for load, dl in d.items()},
         "answers": {n: list(t) for n, t in texts.items()}, "wall_s": wall}, indent=1))
     return text + f"plot: {fig}\n"
