@@ -263,13 +263,15 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     s = quick.Settings(rounds=5, concurrencies=(4, 8), open_requests=6, output_len=10, questions=8)
     text = quick.run(systems, s, tmp_path)
 
-    calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt"]  # the measured calls
+    warm = [c for c in FakeClient.calls if c[1][0][:2] == ("prompt", quick.WARM_UP_SEED + 1)]
+    calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt" and c not in warm]  # the measured calls
     assert len(calls) == 5 * 3 * 3
     res_lives = json.loads((tmp_path / "results.json").read_text())["lifetimes"]
     assert res_lives == [0, 0, 1, 1, 1]  # 5 rounds fit: 2 on the first servers, the rest after the restart
-    questions = [c for c in FakeClient.calls if c[1][0][0] == "question"]  # a share per lifetime warms it up
-    assert [c[0].split("@")[1] for c in questions] == ["0"] * 3 + ["1"] * 3 and all(len(c[1]) == 4 for c in questions)
-    assert FakeClient.calls.index(questions[5]) == FakeClient.calls.index(calls[18]) - 1  # right after the restart
+    questions = [c for c in FakeClient.calls if c[1][0][0] == "question"]  # every question through every system
+    assert [c[0] for c in questions] == ["upstream@0", "fast@0", "slow@0"] and all(len(c[1]) == 8 for c in questions)
+    assert [c[0] for c in warm] == ["upstream@1", "fast@1", "slow@1"] and all(c[2] == 8 for c in warm)
+    assert FakeClient.calls.index(warm[-1]) == FakeClient.calls.index(calls[18]) - 1  # a wave, then round 3
     orders = paired.round_orders(["upstream", "fast", "slow"], 5, 0)
     for r in range(5):
         rnd = calls[9 * r: 9 * (r + 1)]

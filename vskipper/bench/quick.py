@@ -3,7 +3,7 @@ quality measured beside speed, in under 10 minutes on 2 CPUs.
 
 1. start every system's server (in parallel), one CPU thread each (see Settings);
 2. quality, which also warms every server up: a spread of the shipped arithmetic questions,
-   greedy, through every system (a share per server lifetime, see 3): accuracy (the answer's last integer, as bench/quality.py scores
+   greedy, through every server: accuracy (the answer's last integer, as bench/quality.py scores
    it), how often that answer equals upstream's, and greedy agreement (the share of upstream's
    answer tokens a system reproduces before its first divergence);
 3. paired rounds, as many as the time budget allows (at least min_rounds): each round samples
@@ -11,8 +11,8 @@ quality measured beside speed, in under 10 minutes on 2 CPUs.
    then at one open-loop load, Poisson arrivals at `open_load` x upstream's capacity (e2e,
    TTFT); capacity = upstream's output throughput at the highest concurrency in round 1 / output
    length, then fixed for the run. The rounds are shared out over `lifetimes` server lifetimes:
-   midway every server is stopped and started afresh (then warmed by its next share of the
-   questions), because a server is a few percent faster or slower for its whole life;
+   midway every server is stopped and started afresh (then warmed up by one wave of requests at
+   the highest concurrency), because a server is a few percent faster or slower for its whole life;
 4. per metric the median of per-round ratios against upstream with a bootstrap 95% CI
    (vskipper.bench.paired), tables, one verdict line and a figure, written to --out.
 """
@@ -31,6 +31,7 @@ from vskipper.bench.paired import round_orders
 from vskipper.bench.servers import System, memory_gb, start_all, stop, transform_line
 
 CLOSED_METRICS = ("tok_s", "tpot_ms")
+WARM_UP_SEED = 10**6  # + lifetime: a restarted server's unmeasured first wave (rounds use seeds below)
 OPEN_METRICS = ("e2e_ms", "ttft_ms")
 
 
@@ -69,8 +70,6 @@ class Settings:
             raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 (a median and a CI need a few rounds)")
         if self.min_rounds < self.lifetimes:
             raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= lifetimes={self.lifetimes} (a round per lifetime)")
-        if self.questions < self.lifetimes:
-            raise ValueError(f"Settings.questions={self.questions} must be >= lifetimes={self.lifetimes} (a share per lifetime)")
         if self.rounds < self.min_rounds:
             raise ValueError(f"Settings.rounds={self.rounds} must be >= min_rounds={self.min_rounds}")
         if not self.concurrencies or any(c < 1 for c in self.concurrencies):
@@ -132,7 +131,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     servers, transforms, orders, lives, rate = {}, {}, [], [], None
     questions = question_subset(s.questions)
     qrows = client.question_rows([q["prompt"] for q in questions], s.answer_tokens)
-    texts = {n: [None] * len(qrows) for n in names}
+    texts, up_s = {}, []  # up_s: seconds each start of the servers took
 
     def send(n: str, rows, **kw):
         try:
@@ -143,43 +142,48 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                 raise
             raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
 
-    def start_life(life: int) -> float:
-        """Start every server (again) and put to each system its share `life` of the questions, which
-        warms the new servers up; returns the seconds it took."""
+    def start_life(life: int) -> None:
+        """Start every server (again): the first time, put the questions through them; after a
+        restart, warm them up with one unmeasured wave."""
         nonlocal servers
         t0 = time.perf_counter()
         what = f"lifetime {life + 1}/{s.lifetimes}"
         if life:
             for srv in servers.values():
                 stop(srv)
-            log(f"servers restarted ({what}): {len(systems)} SGLang servers, then their share of the questions")
+            log(f"servers restarted ({what}): {len(systems)} SGLang servers, then one warm-up wave each")
         with bar(len(systems), f"servers up ({what})") as b:
             servers = start_all(systems, out, s.max_total_tokens, on_ready=lambda n: b.update(1),
                                 threads=s.server_threads, log_level="info")
-        if not life:
-            log("server memory (PSS): " + ", ".join(f"{n} {memory_gb(srv):.1f} GB" for n, srv in servers.items()))
-            for n, srv in servers.items():
-                transforms[n] = transform_line(srv)
-                if transforms[n]:
-                    log(f"{n}: {transforms[n]}")
-            log(f"phase 2/4: quality (and warm-up): {s.questions} arithmetic questions, greedy, <= {s.answer_tokens} "
-                f"new tokens, through every system, shared out over the {s.lifetimes} server lifetime(s)")
-        share = list(range(life, len(qrows), s.lifetimes))
-        with bar(len(systems), f"quality ({what})") as b:
+        up_s.append(time.perf_counter() - t0)
+        if life:
+            c = max(s.concurrencies)
+            rows = client.prompt_rows(c, s.output_len, seed=WARM_UP_SEED + life)
+            with bar(len(systems), f"warm-up ({what})") as b:
+                for n in names:
+                    send(n, rows, concurrency=c)
+                    b.update(1)
+            return
+        log("server memory (PSS): " + ", ".join(f"{n} {memory_gb(srv):.1f} GB" for n, srv in servers.items()))
+        for n, srv in servers.items():
+            transforms[n] = transform_line(srv)
+            if transforms[n]:
+                log(f"{n}: {transforms[n]}")
+        log(f"phase 2/4: quality (and warm-up): {s.questions} arithmetic questions, greedy, <= {s.answer_tokens} "
+            f"new tokens, through every server")
+        with bar(len(systems), "quality") as b:
             for n in names:
-                res = send(n, [qrows[i] for i in share], concurrency=len(share), ignore_eos=False)
+                res = send(n, qrows, concurrency=len(qrows), ignore_eos=False)
                 if res.completed != res.requests:
                     bad = next(e for e in res.errors if e)
                     raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: {bad[-500:]}")
-                for i, t in zip(share, res.texts):
-                    texts[n][i] = t
+                texts[n] = res.texts
                 b.update(1)
-        return time.perf_counter() - t0
 
     try:
         log(f"phase 1/4: starting {len(systems)} SGLang servers ({', '.join(names)}) in parallel, "
             f"{s.server_threads} CPU thread(s) each")
-        life_s = start_life(0)
+        start_life(0)
         log(f"phase 3/4: paired rounds ({s.min_rounds} to {s.rounds}, as the {s.budget_s:.0f} s budget allows) x "
             f"{len(systems)} systems x {len(metrics_of)} loads, {s.output_len} output tokens per request, "
             f"over {s.lifetimes} server lifetime(s)")
@@ -219,7 +223,8 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                 in_life += 1
                 round_s += time.perf_counter() - t_round
                 if per_life is None:  # after round 1: the rounds that fit, shared out over the lifetimes
-                    left = deadline - time.perf_counter() - 10 - (s.lifetimes - 1) * life_s
+                    restart_s = up_s[0] + round_s / len(metrics_of)  # start-up, and a warm-up wave ~ one load's share
+                    left = deadline - time.perf_counter() - 10 - (s.lifetimes - 1) * restart_s
                     fit = min(s.rounds, max(s.min_rounds, 1 + int(left // round_s)))
                     per_life = fit // s.lifetimes  # the last lifetime takes the rest, as the budget allows
                     if s.lifetimes > 1:
