@@ -310,11 +310,58 @@ def test_a_servers_whole_life_offset_enters_the_ci(monkeypatch, tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     fast = res["deltas"]["concurrency 8"]["fast"]["tok_s"]
     assert res["lifetimes"] == [0, 0, 0, 1, 1, 1]
-    assert fast["lo"] == pytest.approx(0.12) and fast["hi"] == pytest.approx(1.12 * 1.08 - 1)
-    assert 0.12 <= fast["median"] <= 1.12 * 1.08 - 1
+    assert fast["median"] == pytest.approx((0.12 + 1.12 * 1.08 - 1) / 2)  # half the rounds on each lifetime
+    hw = paired.lifetime_half_width({"fast": fast["ratios"], "slow": res["deltas"]["concurrency 8"]["slow"]["tok_s"]["ratios"]},
+                                    res["lifetimes"])  # fast's lifetimes differ by 8%, slow's not: 2 df pooled
+    assert hw == pytest.approx(paired.t975(2) * ((2 * (0.0448 ** 2) / 2 / 2) ** 0.5), rel=1e-2)
+    assert fast["lo"] == pytest.approx(fast["median"] - hw) and fast["hi"] == pytest.approx(fast["median"] + hw)
+    assert fast["lo"] < 0.12 and fast["hi"] > 1.12 * 1.08 - 1  # both lifetimes' ratios inside
     quick.run(systems, dataclasses.replace(s, lifetimes=1), tmp_path)
     one = json.loads((tmp_path / "results.json").read_text())["deltas"]["concurrency 8"]["fast"]["tok_s"]
     assert one["lo"] == pytest.approx(0.12) and one["hi"] == pytest.approx(0.12)
+
+
+def test_t975_is_students_t():
+    assert paired.t975(1) == 12.706 and paired.t975(3) == 3.182 and paired.t975(30) == 2.042
+    assert paired.t975(120) == pytest.approx(1.980, abs=2e-3) and paired.t975(10**6) == pytest.approx(1.96, abs=1e-5)
+    with pytest.raises(ValueError, match="df=0"):
+        paired.t975(0)
+
+
+def test_lifetime_half_width_pools_the_spread_of_lifetime_means_over_systems():
+    lives = [0, 0, 1, 1]
+    # a: lifetime means 0.10 and 0.14 (deviations +-0.02); b: 0.00 and 0.00; 2 systems x (2 - 1) = 2 df
+    hw = paired.lifetime_half_width({"a": [0.09, 0.11, 0.13, 0.15], "b": [0.01, -0.01, 0.0, 0.0]}, lives)
+    assert hw == pytest.approx(paired.t975(2) * ((2 * 0.02 ** 2) / 2 / 2) ** 0.5)
+    assert paired.lifetime_half_width({"a": [0.1, 0.2, 0.3]}, [0, 0, 0]) is None  # one lifetime: nothing to add
+    d = paired.Delta(0.12, 0.11, 0.13, (0.12,))
+    w = paired.widened(d, 0.05)
+    assert paired.widened(d, None) is d and (w.median, w.lo, w.hi) == pytest.approx((0.12, 0.07, 0.17))
+    assert paired.widened(d, 0.001) == d  # never narrower than the rounds' own interval
+    with pytest.raises(ValueError, match="3 rounds, lives has 4"):
+        paired.lifetime_half_width({"a": [0.1, 0.2, 0.3]}, lives)
+
+
+def test_widened_interval_covers_the_true_ratio_despite_lifetime_offsets():
+    """Simulated runs: 5 rounds on 2 lifetimes, every server 3% off for its whole life (upstream's too),
+    1% noise per round. Resampling rounds alone covers the true +10% in about 2 of 3 runs; with the
+    lifetimes' spread added, in about 19 of 20."""
+    import random
+
+    r = random.Random(0)
+    lives, runs, plain, wide = [0, 0, 1, 1, 1], 300, 0, 0
+    for k in range(runs):
+        up = [r.gauss(0, 0.03) for _ in range(2)]
+        base = [100 * (1 + up[l]) * (1 + r.gauss(0, 0.01)) for l in lives]
+        ds = {}
+        for name, effect in (("a", 0.10), ("b", 0.0), ("c", 0.02)):
+            off = [r.gauss(0, 0.03) for _ in range(2)]
+            ds[name] = paired.paired_delta([100 * (1 + effect) * (1 + off[l]) * (1 + r.gauss(0, 0.01)) for l in lives],
+                                           base, seed=k)
+        w = paired.widened(ds["a"], paired.lifetime_half_width({n: list(d.ratios) for n, d in ds.items()}, lives))
+        plain += ds["a"].lo <= 0.10 <= ds["a"].hi
+        wide += w.lo <= 0.10 <= w.hi
+    assert plain / runs < 0.75 and wide / runs > 0.88, (plain / runs, wide / runs)
 
 
 def test_quick_run_stops_rounds_at_the_time_budget_but_not_below_min_rounds(monkeypatch, tmp_path):

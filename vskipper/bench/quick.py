@@ -245,7 +245,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
         quality[n] = {"correct": correct, "same": same, "questions": len(questions),
                       "accuracy": correct / len(questions), "agreement": same / len(questions),
                       "prefix": report.prefix_share([encode(t) for t in texts[n]], base_ids)}
-    d = report.deltas(rounds, names, metrics_of)
+    d = report.deltas(rounds, names, metrics_of, lives)
     labels = {x.name: x.label for x in systems}
     # The verdict carries the closed-loop headline only: in three runs in a row (2026-12-01) the
     # open loop's e2e delta for RandomSkip(0.5) came out -4.8% (not resolved), -10.3% and +8.7%
@@ -256,7 +256,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
               f"quick paired run: {len(orders)} rounds, closed loop at concurrency {', '.join(map(str, s.concurrencies))} "
               f"(one wave each), open loop {s.open_requests} requests at {rate:.2f} req/s "
               f"({s.open_load}x upstream's capacity), {s.output_len} output tokens per request, "
-              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {max(lives) + 1} server lifetime(s), rounds per lifetime {[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} [bootstrap 95% CI]; "
+              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {max(lives) + 1} server lifetime(s), rounds per lifetime {[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} [bootstrap 95% CI, widened by the lifetimes' spread]; "
               f"{wall:.0f} s (servers included)")
     curve = {n: sorted([(_median(rounds[c][n], "tok_s") / s.output_len, _median(rounds[c][n], "e2e_ms") / 1e3)
                         for c in closed] + [(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]) for n in names}

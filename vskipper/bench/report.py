@@ -11,7 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
-from vskipper.bench.paired import Delta, paired_delta
+from vskipper.bench.paired import Delta, lifetime_half_width, paired_delta, widened
 
 __all__ = ["deltas", "last_integer", "plot", "tables", "verdict"]
 
@@ -44,15 +44,19 @@ def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
     return same / max(1, total)
 
 
-def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]]) -> dict:
-    """{load: {system: {metric: Delta}}} for every system but the baseline (names[0])."""
+def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]], lives: list[int] | None = None) -> dict:
+    """{load: {system: {metric: Delta}}} for every system but the baseline (names[0]). lives[r]: the
+    server lifetime round r ran on; with several, each interval also holds the lifetime offsets'
+    spread (paired.lifetime_half_width, pooled over the systems of that load and metric)."""
     base = names[0]
     out = {}
     for load, per_sys in rounds.items():
-        out[load] = {}
-        for name in names[1:]:
-            out[load][name] = {m: paired_delta([r[m] for r in per_sys[name]], [r[m] for r in per_sys[base]])
-                               for m in metrics_of[load]}
+        out[load] = {name: {} for name in names[1:]}
+        for m in metrics_of[load]:
+            d = {name: paired_delta([r[m] for r in per_sys[name]], [r[m] for r in per_sys[base]]) for name in names[1:]}
+            hw = None if lives is None else lifetime_half_width({n: list(x.ratios) for n, x in d.items()}, lives)
+            for name in names[1:]:
+                out[load][name][m] = widened(d[name], hw)
     return out
 
 
