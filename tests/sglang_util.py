@@ -37,3 +37,21 @@ def greedy(eng, prompts, n):
     outs = eng.generate(input_ids=[p.tolist() for p in prompts],
                         sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
     return [o["output_ids"] for o in outs], [o["meta_info"].get("cached_tokens", 0) for o in outs]
+
+
+def run_script(script: str, checkpoint, out, **env) -> dict:
+    """Run tests/<script> CHECKPOINT OUT in its own process (a ModelRunner of its own, with the given
+    VSKIPPER_* environment) and return the JSON it wrote to OUT."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import vskipper
+
+    env = {**os.environ, **env,
+           "PYTHONPATH": os.pathsep.join([str(Path(vskipper.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / script), str(checkpoint), str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(Path(out).read_text())

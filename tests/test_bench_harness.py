@@ -192,7 +192,7 @@ def test_last_integer_reads_the_answer_like_bench_quality():
 
 
 def test_quick_settings_reject_bad_values_naming_the_field():
-    with pytest.raises(ValueError, match="rounds=2 must be >= min_rounds=4"):
+    with pytest.raises(ValueError, match="rounds=2 must be >= min_rounds=3"):
         quick.Settings(rounds=2)
     with pytest.raises(ValueError, match="min_rounds=2"):
         quick.Settings(min_rounds=2)
@@ -202,7 +202,7 @@ def test_quick_settings_reject_bad_values_naming_the_field():
         quick.Settings(output_len=3)
     with pytest.raises(ValueError, match="open_load"):
         quick.Settings(open_load=0)
-    with pytest.raises(ValueError, match="min_rounds=4 must be >= lifetimes=5"):
+    with pytest.raises(ValueError, match="min_rounds=3 must be >= lifetimes=5"):
         quick.Settings(lifetimes=5, rounds=8)
     with pytest.raises(ValueError, match="questions=500"):
         quick.question_subset(500)

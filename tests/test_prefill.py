@@ -265,24 +265,15 @@ def test_sglang_prefill_projects_queries_of_run_rows_only(tmp_path, family, stat
     """In an SGLang extend batch a routed layer projects the queries of its RUN rows only (PROJECT
     rows: K and V), and what it computes equals SGLang's own forward_prepare_native: q on the RUN
     rows, k and v on every row (Qwen3: its q/k norms too); the dynamic and the fixed-shape body."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from sglang_util import run_script
 
     from vskipper.models.hf_loader import save_checkpoint
 
     base = (tiny_llama if family == "llama" else tiny_qwen3)()
     sk = flexidepth_for(base, [1, 3, 4], gate="soft" if family == "llama" else "hard")
     path = save_checkpoint(tmp_path / "ckpt", base, sk)
-    out = tmp_path / "queries.json"
-    env = {**os.environ, "VSKIPPER_EXECUTION": "routed", "VSKIPPER_STATIC_SHAPES": static,
-           "PYTHONPATH": os.pathsep.join([str(Path(vskipper.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "prefill_queries.py"), str(path), str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = run_script("prefill_queries.py", path, tmp_path / "queries.json", VSKIPPER_EXECUTION="routed",
+                     VSKIPPER_STATIC_SHAPES=static)
     calls = {c["layer"]: c for c in res["calls"]}
     assert sorted(calls) == list(sk.layers), f"every routed layer projects its queries by rows once: {res['calls']}"
     for l, c in calls.items():
@@ -355,7 +346,7 @@ def test_transform_with_auto_uses_both_tables_and_says_so(tmp_path, monkeypatch)
 
 
 def test_calibrate_prefill_phase(tmp_path, monkeypatch):
-    from vskipper import calibrate, cost
+    from vskipper import calibrate
 
     monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
     cal, bench = calibrate.measure(32, 48, 4, 2, ts=(16, 64), fs=(0.0, 0.5, 1.0), repeats=1, passes=1,

@@ -11,7 +11,7 @@ import vskipper
 from vskipper.models.hf_loader import save_checkpoint
 from vskipper.reference import reference_generate
 
-from sglang_util import engine, greedy
+from sglang_util import engine, greedy, run_script
 from tiny import VOCAB, flexidepth_for, tiny_llama, tiny_qwen3
 
 pytestmark = pytest.mark.sglang
@@ -194,20 +194,10 @@ def test_padding_rows_are_never_routed_counted_or_mixed_in(tmp_path, static):
     """A decode batch padded by one row as the CUDA-graph runner pads it: the real rows' logits are
     the unpadded step's, and stats count the real rows only, from SGLang's num_token_non_padded or,
     without it, from its padding slot; the control (neither) counts the pad row."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     base = tiny_llama()
     path = save_checkpoint(tmp_path / "ckpt", base, flexidepth_for(base, [1, 3, 4, 5], gate="soft"))
-    out = tmp_path / "padded.json"
-    env = {**os.environ, "VSKIPPER_EXECUTION": "routed", "VSKIPPER_STATIC_SHAPES": static,
-           "PYTHONPATH": os.pathsep.join([str(Path(vskipper.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "padded_decode.py"), str(path), str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = run_script("padded_decode.py", path, tmp_path / "padded.json", VSKIPPER_EXECUTION="routed",
+                     VSKIPPER_STATIC_SHAPES=static)
     assert res["rows"] == 4
     assert res["max_abs_diff_real_rows"] < 1e-4, res
     assert res["padded"] == res["real"] and all(s["tokens"] == 3 for s in res["real"].values()), res

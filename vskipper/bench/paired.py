@@ -14,7 +14,8 @@ interval is widened to hold median +- t * s_L / sqrt(L) as well (`lifetime_half_
 spread of per-lifetime mean ratios, pooled over the systems compared, L lifetimes, Student's t at
 the pooled degrees of freedom. Measured on the 2-CPU VM (2026-12-01): three runs with two
 lifetimes each gave RandomSkip deltas of +15.1%, +17.1% and +16.3% whose round-resampled intervals
-([+13.3, +16.3], ...) did not hold each other's medians; the widened intervals do.
+([+13.3, +16.3], ...) did not hold each other's medians; the widened ones, recomputed from the same
+rounds, do. (Three later runs, widened: +13.2%, +21.4%, +11.7%, the middle one outside the others'.)
 """
 from __future__ import annotations
 
