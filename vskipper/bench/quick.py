@@ -31,8 +31,8 @@ from vskipper.bench.paired import round_orders
 from vskipper.bench.servers import System, memory_gb, start_all, stop, transform_line
 
 CLOSED_METRICS = ("tok_s", "tpot_ms")
-WARM_UP_SEED = 10**6  # + lifetime: a restarted server's unmeasured first wave (rounds use seeds below)
 OPEN_METRICS = ("e2e_ms", "ttft_ms")
+WARM_UP_SEED = 10**6  # + lifetime: a restarted server's unmeasured first wave (rounds use seeds below)
 
 
 @dataclass(frozen=True)
