@@ -13,7 +13,7 @@ The batch's sequences grow by one token per step, alike for every system of a ro
 
 Each skipping system is also compared with the rate-0 system of the same execution, paired in the
 same rounds: what skipping saves, apart from what vskipper's path costs. Also prints what the
-per-layer routing work (router, decisions, route maps, counter, the routed body's row gathers and
+per-layer routing work (router, decisions, counter, the routed bodies' rows and route maps, the row gathers and
 scatters) costs, timed alone at T = 1, 32, 256 and the batch sizes, so the overhead is a number per
 routed layer.
 """
@@ -75,9 +75,10 @@ def layer_sets(model, systems):
 
 
 def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, float]:
-    """us per routed layer of the routing work alone at T rows: router, decisions, route maps, counter,
-    and the dynamic routed body's gathers (RUN and PROJECT rows of h, half each) and scatters back
-    into a copy of h."""
+    """us per routed layer of the routing work alone at T rows: router, decisions, counter, the
+    dynamic routed body's row finding (the RUN count; with half the rows RUN also their indices),
+    the fixed-shape body's route maps, and the dynamic body's gathers (RUN and PROJECT rows of h,
+    half each) and scatters back into a copy of h."""
     import torch
 
     from vskipper import ops
@@ -94,14 +95,19 @@ def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, fl
         half = torch.arange(T) % 2 == 0
         rr, pr = half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)
 
+        def rows():  # RoutedBody: the count, then (some rows skip) the RUN rows
+            ran = (half & valid).reshape(-1)
+            if int(ran.sum()) < T:
+                ran.nonzero().squeeze(1)
+
         def gathers():
             out = x.clone()
             out.index_copy_(0, rr, x.index_select(0, rr))
             out.index_copy_(0, pr, x.index_select(0, pr))
 
         parts = {"router": lambda: router(x, pos, ids), "decide": lambda: sanitize_gate(g, sk.threshold),
-                 "route_maps": lambda: ops.route_maps(run, valid, impl="torch"),
-                 "counter": lambda: counter(run, valid, bad), "gathers": gathers}
+                 "counter": lambda: counter(run, valid, bad), "rows (dynamic)": rows,
+                 "route_maps (fixed)": lambda: ops.route_maps(run, valid, impl="torch"), "gathers": gathers}
         out = {}
         for name, fn in parts.items():
             fn()
@@ -166,11 +172,13 @@ def run(args, runner) -> None:
     state = next(v[1] for v in sets.values() if v[1] is not None)
     n_routed = len(state.skipper.layers)
     print(f"\nRouting work per routed layer ({n_routed} routed layers), timed alone, us:\n")
-    print("| T | router | decide | route_maps | counter | gathers | total | x routed layers, ms |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("(rate 0 pays router, decide, counter and the dynamic body's count; a skipping step of the dynamic\n"
+          "body adds its row indices and gathers; the fixed-shape body takes route maps instead of rows)\n")
     for T in sorted(set(ROUTING_TS) | set(args.batch)):
         c = routing_cost_us(state, model.config.hidden_size, T)
-        total = sum(c.values())
+        if T == min(set(ROUTING_TS) | set(args.batch)):
+            print("| T | " + " | ".join(c) + " | dynamic total | x routed layers, ms |\n|" + "---|" * (len(c) + 3))
+        total = sum(v for k, v in c.items() if k != "route_maps (fixed)")
         print(f"| {T} | " + " | ".join(f"{v:.1f}" for v in c.values()) + f" | {total:.1f} | {total * n_routed / 1e3:.2f} |")
 
 

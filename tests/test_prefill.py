@@ -336,8 +336,8 @@ def test_transform_with_auto_uses_both_tables_and_says_so(tmp_path, monkeypatch)
     chosen = []
     for l in sk.layers:
         body = m.vskipper.bodies[l]
-        body.select = lambda layer, h, x, maps, ctx, _s=body.select: chosen.append(
-            (x.shape[1] > 1, _s(layer, h, x, maps, ctx).name)) or _s(layer, h, x, maps, ctx)
+        body.select = lambda layer, h, x, *rest, _s=body.select: chosen.append(
+            (x.shape[1] > 1, _s(layer, h, x, *rest).name)) or _s(layer, h, x, *rest)
     ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)

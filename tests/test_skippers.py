@@ -42,6 +42,29 @@ def test_random_skip_is_a_pure_function():
     assert 0.0 <= u.min() and u.max() < 1.0
 
 
+def test_random_skip_router_gives_hash_uniform_decisions_as_bools():
+    from vskipper.routed_layer import RouteCounter
+    from vskipper.skippers.base import sanitize_gate
+
+    pos = torch.cat([torch.arange(3000), torch.tensor([2**31 - 1, 2**32 - 1, -5])])  # big and negative too
+    ids = torch.cat([torch.randint(0, 50000, (3000,)), torch.tensor([2**31 - 1, 7, -1])])
+    for rate in (0.0, 0.3, 0.5, 1.0):
+        sk = vskipper.RandomSkip(rate, [2, 9], seed=4)
+        for layer in sk.layers:
+            run = sk.router(layer)(torch.zeros(len(pos), 8), pos, ids)
+            assert run.dtype == torch.bool
+            assert_equal(run, hash_uniform(4, layer, pos, ids) >= rate, f"rate {rate} layer {layer}")
+            assert_equal(run, sk.router(layer)(None, pos.int(), ids.int()), "int32 inputs")
+    g, run2, nonfinite = sanitize_gate(run, 0.5)  # a router's decisions pass through, nothing non-finite
+    assert g is run and run2 is run and nonfinite is None
+    counter, valid = RouteCounter(), torch.arange(len(run)) % 3 > 0
+    counter(run, valid, None)
+    counter(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), torch.tensor([True, False, False, True]))
+    n = int(valid.sum())
+    assert counter.read() == dict(tokens=n + 4, run=int((run & valid).sum()) + 4,
+                                  project=int((~run & valid).sum()), nonfinite=2)
+
+
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
 def test_random_skip_batch_invariant(make):
     base = make()

@@ -177,8 +177,12 @@ def test_pass_rewrites_every_routed_layer_and_tags_nodes():
     gm = m.model._vskipper_stack
     roles = [(n.meta["vskipper"]["layer"], n.meta["vskipper"]["role"]) for n in gm.graph.nodes if "vskipper" in n.meta]
     for l in (0, 3, 5):
-        for role in ("input_norm", "router", "decide", "route_maps", "routed_layer"):
+        for role in ("input_norm", "router", "decide", "routed_layer"):
             assert (l, role) in roles
+        assert (l, "route_maps") not in roles  # the dynamic body finds its own rows
+    fixed = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "routed", static_shapes=True).model._vskipper_stack
+    assert {n.meta["vskipper"]["layer"] for n in fixed.graph.nodes
+            if n.meta.get("vskipper", {}).get("role") == "route_maps"} == {0, 3, 5}  # the fixed-shape body is given maps
     assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("layers.")
             and n.target.count(".") == 1] == ["layers.1", "layers.2", "layers.4"]
     dense = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "dense")
@@ -243,7 +247,7 @@ def test_verify_pass_checks_the_recorded_body_and_its_maps():
     from vskipper.passes import PassError, VerifyPass
     from vskipper.routed_layer import DenseBody
 
-    m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 3]), "routed")
+    m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 3]), "routed", static_shapes=True)  # given route maps
     gm = m.model._vskipper_stack
     verify = VerifyPass(range(6), (1, 3))
     verify(gm)  # as transform left it

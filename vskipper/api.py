@@ -151,7 +151,7 @@ def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> di
         for key, cap in state.caps.items():
             layer = int(key)
             rows = dict(zip(SETTINGS, cap.counts.tolist()))
-            total = dict(zip(RouteCounter.FIELDS, state.counters[key].counts.tolist()))
+            total = state.counters[key].read()
             rows["default"] = [total[c] - sum(rows[s][i] for s in SETTINGS[1:]) if c in total else 0
                                for i, c in enumerate(COUNTS)]
             for s in SETTINGS:
@@ -162,7 +162,7 @@ def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> di
         return out
     out = {}
     for key, counter in state.counters.items():
-        out[int(key)] = dict(zip(RouteCounter.FIELDS, counter.counts.tolist()))
+        out[int(key)] = counter.read()
         if reset:
             counter.counts.zero_()
     return out

@@ -66,7 +66,7 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return f"cpu: {model}, {torch.get_num_threads()} threads"
 
 
-METHOD = "4"  # how calibrate measures (KV pool, rounds in random order, paired ratios, passes, three bodies); bump on change
+METHOD = "5"  # how calibrate measures (KV pool, rounds in random order, paired ratios, passes, three bodies, dynamic bodies find their own rows); bump on change
 
 
 def versions() -> dict[str, str]:
@@ -275,9 +275,10 @@ class Chooser:
         self.current[where] = body
         return body
 
-    def choose(self, T: int, counts: torch.Tensor, decode: bool = True) -> str:
-        if counts.is_cpu:  # (not .device.type: measured 5 us per call inside a step)
-            n = counts.tolist()[0]
+    def choose(self, T: int, counts: torch.Tensor | int, decode: bool = True) -> str:
+        """counts: route maps' counts [2] (RUN, PROJECT) on the device, or the RUN count read on the host."""
+        if isinstance(counts, int) or counts.is_cpu:  # (not .device.type: measured 5 us per call inside a step)
+            n = counts if isinstance(counts, int) else counts.tolist()[0]
             return self._decide(decode, T, n, n / max(T, 1))
         if not counts.is_cuda or torch.cuda.is_current_stream_capturing():
             return self.planned(T)

@@ -41,7 +41,7 @@ class Body:
     def __call__(self, layer: "RoutedLayer", h, x, g, run, valid, maps, ctx):
         raise NotImplementedError
 
-    def select(self, layer: "RoutedLayer", h, x, maps, ctx) -> "Body":
+    def select(self, layer: "RoutedLayer", h, x, run, valid, maps, ctx) -> "Body":
         """The body that runs this step: itself (AutoBody: the one its chooser picks, on the host)."""
         return self
 
@@ -64,23 +64,25 @@ class DenseBody(Body):
 
 
 class RoutedBody(Body):
-    """Dynamic shapes: slices to the real counts, read on the host. attend_all: attention for every
-    row (the engine's own), MLP and adapter routed ("routed-mlp")."""
+    """Dynamic shapes: finds its rows and slices to the real counts, read on the host (no route maps:
+    a step in which every row runs needs only the count). attend_all: attention for every row (the
+    engine's own), MLP and adapter routed ("routed-mlp")."""
+
+    needs_maps = False
 
     def __init__(self, attend_all: bool = False) -> None:
         self.attend_all = attend_all
         self.name = "routed-mlp" if attend_all else "routed"
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
-        run_rows, project_rows, counts = maps
-        n_run, n_proj = counts.tolist()  # the dynamic form: data-dependent shapes are allowed here
         hf = h.reshape(-1, h.shape[-1])  # [T, H]
-        gf = g.reshape(-1)  # [T]
+        ran = (run & valid).reshape(-1)  # [T]
+        n_run = int(ran.sum())  # the dynamic form: data-dependent shapes are allowed here
         if n_run == hf.shape[0]:  # every row runs (rate 0; a step nothing skips): the decoder layer as
             h1 = hf + layer.attention.all_rows(x, ctx).reshape(hf.shape)  # the engine computes it, no gathers
-            return run_value(h1, layer.mlp(layer.post_norm(h1)), gf, layer.soft).view_as(h)
+            return run_value(h1, layer.mlp(layer.post_norm(h1)), g.reshape(-1), layer.soft).view_as(h)
         out = hf.clone()  # PROJECT rows without an adapter, and padding, keep h
-        rr = run_rows[:n_run].long()
+        rr = ran.nonzero().squeeze(1)  # [n_run] ascending
         if self.attend_all:
             a = layer.attention.all_rows(x, ctx).reshape(hf.shape).index_select(0, rr)  # [n_run, H]
         else:
@@ -88,17 +90,23 @@ class RoutedBody(Body):
         if n_run:
             h1 = hf.index_select(0, rr) + a
             m = _mlp_rows(layer.mlp, layer.post_norm(h1), hf.shape[0])
-            out.index_copy_(0, rr, run_value(h1, m, gf.index_select(0, rr), layer.soft))
-        if layer.adapter is not None and n_proj:
-            pr = project_rows[:n_proj].long()
-            hp = hf.index_select(0, pr)
-            out.index_copy_(0, pr, project_value(hp, layer.adapter(layer.post_norm(hp)), gf.index_select(0, pr),
-                                                 layer.soft))
+            out.index_copy_(0, rr, run_value(h1, m, _rows_of(g, rr, layer.soft), layer.soft))
+        if layer.adapter is not None:
+            pr = (valid & ~run).reshape(-1).nonzero().squeeze(1)  # [n_proj] ascending
+            if pr.numel():
+                hp = hf.index_select(0, pr)
+                out.index_copy_(0, pr, project_value(hp, layer.adapter(layer.post_norm(hp)), _rows_of(g, pr, layer.soft),
+                                                     layer.soft))
         return out.view_as(h)
 
     def describe(self) -> str:
         what = "attention for every row, MLP and adapter routed" if self.attend_all else "routed"
         return f"{what}, dynamic shapes (torch; counts read on the host)"
+
+
+def _rows_of(g, rows, soft: bool):
+    """The gates of `rows` (soft gates); a hard gate reads none (run_value, project_value)."""
+    return g.reshape(-1).index_select(0, rows) if soft else None
 
 
 def _mlp_rows(mlp, y, T: int):
@@ -127,7 +135,7 @@ class FixedRoutedBody(Body):
         run_rows, project_rows, counts = maps
         H = h.shape[-1]
         hf = h.reshape(-1, H)  # [T, H]
-        gf = g.reshape(-1).to(h.dtype)  # [T]
+        gf = g.reshape(-1).to(h.dtype) if layer.soft else None  # [T]
         ran = (run & valid).reshape(-1)  # [T]
         if self.attend_all:
             a = layer.attention.all_rows(x, ctx).reshape(-1, H)  # [T, H]
@@ -138,11 +146,11 @@ class FixedRoutedBody(Body):
         if rank_sum is None:
             out = hf.clone()
             ops.grouped_swiglu_(out, h1, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(),
-                                gf if layer.soft else None, impl=self.impl)  # run_value
+                                gf, impl=self.impl)  # run_value
         else:  # tensor parallel: this rank's MLP shard gives a partial sum; complete it, then add the residual
             acc = torch.zeros_like(hf)
-            ops.grouped_swiglu_(acc, acc, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(),
-                                gf if layer.soft else None, impl=self.impl)
+            ops.grouped_swiglu_(acc, acc, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(), gf,
+                                impl=self.impl)
             out = torch.where(ran.unsqueeze(-1), h1 + rank_sum(acc), hf)
         if layer.adapter is not None:
             ops.grouped_swiglu_(out, hf, layer.post_norm(hf), project_rows, counts[1:2],
@@ -162,13 +170,16 @@ class AutoBody(Body):
 
     def __init__(self, bodies: dict[str, Body], chooser: cost.Chooser) -> None:
         self.bodies, self.chooser = bodies, chooser
+        self.needs_maps = bodies["routed"].needs_maps
         self.maps_impl = bodies["routed"].maps_impl
 
-    def select(self, layer, h, x, maps, ctx) -> Body:
-        return self.bodies[self.chooser.choose(h.numel() // h.shape[-1], maps[2], layer.attention.is_decode(x, ctx))]
+    def select(self, layer, h, x, run, valid, maps, ctx) -> Body:
+        # the RUN count: the maps' (on the device: fixed shapes) or read here (dynamic bodies, no maps)
+        counts = maps[2] if maps is not None else int((run & valid).sum())
+        return self.bodies[self.chooser.choose(h.numel() // h.shape[-1], counts, layer.attention.is_decode(x, ctx))]
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
-        return self.select(layer, h, x, maps, ctx)(layer, h, x, g, run, valid, maps, ctx)
+        return self.select(layer, h, x, run, valid, maps, ctx)(layer, h, x, g, run, valid, maps, ctx)
 
     def describe(self) -> str:
         return (f"auto: {' or '.join(b.describe() for b in self.bodies.values())}, chosen per step on the host "
@@ -230,7 +241,7 @@ class RoutedLayer(nn.Module):
 
     def forward(self, h, x, g, run, valid, maps, **ctx):
         # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) or None (dense)
-        body = self.body.select(self, h, x, maps, ctx)  # auto's host-side choice: outside the guard,
+        body = self.body.select(self, h, x, run, valid, maps, ctx)  # auto's host-side choice: outside the guard,
         if self.check_sync and self.attention.is_decode(x, ctx):  # which checks what a graph captures
             with NoHostSync(f"routed layer {self.index}"):
                 return body(self, h, x, g, run, valid, maps, ctx)
@@ -241,13 +252,23 @@ class RoutedLayer(nn.Module):
 
 
 class RouteCounter(nn.Module):
-    """Per-layer route counts kept on the device (no sync): tokens, run, project, nonfinite."""
+    """Per-layer route counts kept on the device (no sync): tokens, run, project, nonfinite. The
+    buffer holds the real rows, those that RUN and those with a non-finite gate (three sums, the
+    fewest ops per step); `read` derives the rest."""
 
     FIELDS = ("tokens", "run", "project", "nonfinite")
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("counts", torch.zeros(4, dtype=torch.int64), persistent=False)
+        self.register_buffer("counts", torch.zeros(3, dtype=torch.int64), persistent=False)
 
-    def forward(self, run: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor) -> None:
-        self.counts += torch.stack([valid, run & valid, valid & ~run, nonfinite & valid]).reshape(4, -1).sum(1)
+    def forward(self, run: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor | None) -> None:
+        # run, valid, nonfinite [...] bool; nonfinite None: the router gave decisions, never non-finite
+        if nonfinite is None:
+            self.counts[:2].add_((torch.stack([valid, run]) & valid).reshape(2, -1).sum(1))
+        else:
+            self.counts.add_((torch.stack([valid, run, nonfinite]) & valid).reshape(3, -1).sum(1))
+
+    def read(self) -> dict[str, int]:
+        tokens, run, nonfinite = self.counts.tolist()
+        return dict(tokens=tokens, run=run, project=tokens - run, nonfinite=nonfinite)

@@ -226,11 +226,11 @@ def main(argv=None, started: float | None = None) -> None:
                     help="the main job: paired rounds through SGLang's own client plus quality, under 10 minutes "
                          "on 2 CPUs (vskipper/bench/quick.py); without it, the full run with the knee search")
     ap.add_argument("--rounds", type=int, help="quick run: at most this many paired rounds (default 8; fewer if the "
-                                               "time budget runs out, never fewer than 4)")
+                                               "time budget runs out, never fewer than 3)")
     ap.add_argument("--budget", type=float, help="quick run: seconds for the whole job (default 570)")
     ap.add_argument("--requests", type=int, default=48, help="full run: requests per load")
     ap.add_argument("--max-new-tokens", type=int,
-                    help="output tokens per request (default: 64 in the full run, 24 in the quick one)")
+                    help="output tokens per request (default: 64 in the full run, 16 in the quick one)")
     ap.add_argument("--repeats", type=int, default=3, help="full run: interleaved repeats per load")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output directory (default out/bench-serve or out/bench-serve-quick)")

@@ -9,7 +9,10 @@ A skipper is an `nn.Module` that declares, statically:
              does not declare one: what `auto` plans with where it cannot look (CUDA-graph capture);
 and per routed layer l:
   router(l)  (x [T, H] after input_layernorm, positions [T], token_ids [T]) -> g [T];
-             any leading shape works as long as positions/token_ids match it;
+             any leading shape works as long as positions/token_ids match it. A hard-gate router
+             may give its decisions instead, a bool tensor (True = RUN): g is then 1 where True and
+             0 where False, the threshold does not apply, and nothing is non-finite (RandomSkip,
+             Static: it saves the comparisons a float gate needs at every layer and step);
   adapter(l) a module y [T, H] -> [T, H] for PROJECT rows, or None (identity).
 
 Non-finite router output (NaN, +-Inf) has one defined meaning everywhere: the token RUNs the
@@ -84,13 +87,16 @@ class Skipper(nn.Module):
         return f"layers={list(self.layers)}, gate={self.gate!r}, threshold={self.threshold}"
 
 
-def sanitize_gate(g: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """g [T] -> (g with non-finite entries set to 1, run [T] bool, nonfinite [T] bool).
+def sanitize_gate(g: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """g [T] -> (g with non-finite entries set to 1, run [T] bool, nonfinite [T] bool). A bool g (a
+    router's own decisions) is its run as it is, with nonfinite None (nothing to count).
 
     The one place where router output becomes route decisions (see the module docstring)."""
-    nonfinite = ~torch.isfinite(g)
-    g = torch.where(nonfinite, torch.ones_like(g), g)
-    return g, g > threshold, nonfinite
+    if g.dtype == torch.bool:
+        return g, g, None
+    finite = torch.isfinite(g)
+    g = torch.where(finite, g, 1.0)
+    return g, g > threshold, ~finite
 
 
 # --- the gate arithmetic: the one statement of what a routed layer computes per row ------------

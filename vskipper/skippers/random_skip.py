@@ -1,8 +1,11 @@
 """RandomSkip and Static: skippers with no learned weights.
 
 RandomSkip decides per (seed, layer, position, token id) with an integer hash, so a token's
-route never depends on what else is in the batch. All arithmetic stays below 2**63 in int64
-(see _mix32), so CPU and GPU give the same bits with no overflow anywhere.
+route never depends on what else is in the batch. The hash is one round of lowbias32 over
+(A * position + B * token id + the layer's key) mod 2**32: few ops per layer and step (every op is
+paid at every routed layer), its well-mixed high bits deciding. All arithmetic stays below 2**63
+in int64 for positions and token ids below 2**32 in magnitude (see _mix32), so CPU and GPU give the
+same bits with no overflow anywhere.
 """
 from __future__ import annotations
 
@@ -33,24 +36,32 @@ def _mix32_int(x: int) -> int:
 # (x * c) mod 2**32 for x in [0, 2**32) in int64 without overflow: for c >= 2**31 multiply by
 # c - 2**32 instead (same residue, |product| < 2**63); the mask takes the residue of either sign.
 _C1, _C2 = 0x7FEB352D, 0x846CA68B - (1 << 32)
+# Odd multipliers below 2**30, so |A * p + B * t + key| < 2**63 for |p|, |t| < 2**32.
+_A, _B = 0x1E3779B1, 0x2C1B3C6D
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (Wellons): a well-mixed 32-bit hash, on int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = (x * _C1) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _C2) & _M32
-    return x ^ (x >> 16)
+    """lowbias32 (Wellons): a well-mixed 32-bit hash, on an int64 tensor of 32-bit values, which it
+    overwrites (in place: the ops are the cost, not the tiny tensors)."""
+    x ^= x >> 16
+    x.mul_(_C1).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(_C2).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
 
 
 def _layer_key(seed: int, layer: int) -> int:
     return _mix32_int(_mix32_int(seed & _M32) ^ (layer & _M32))
 
 
+def _long(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
 def _hash32(key: int, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    h = _mix32((positions.to(torch.int64) & _M32) ^ key)
-    return _mix32(h ^ (token_ids.to(torch.int64) & _M32))
+    x = torch.add(_long(positions) * _A, _long(token_ids), alpha=_B)  # a fresh tensor, mixed in place
+    return _mix32(x.add_(key).bitwise_and_(_M32))
 
 
 def hash_uniform(seed: int, layer: int, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -65,13 +76,13 @@ class RandomSkipRouter(nn.Module):
         self._key = _layer_key(seed, layer)
         # u >= rate with u = (h >> 8) / 2**24 in float32 and rate rounded to float32 (how torch
         # compares a float32 tensor with a Python float) <=> h >= ceil(f32(rate) * 2**24) * 2**8:
-        # the same decisions as hash_uniform with three fewer ops per layer.
+        # the same decisions as hash_uniform with two fewer ops per layer.
         self._cut = math.ceil(float(torch.tensor(rate, dtype=torch.float32)) * (1 << 24)) << 8
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         if positions is None or token_ids is None:
             raise ValueError("RandomSkip needs token ids and positions; it cannot route inputs_embeds alone")
-        return (_hash32(self._key, positions, token_ids) >= self._cut).to(x.dtype)  # [T]: 1 = RUN, 0 = skip
+        return _hash32(self._key, positions, token_ids) >= self._cut  # [T] decisions: True = RUN
 
     def extra_repr(self) -> str:
         return f"rate={self.rate}, layer={self.layer}, seed={self.seed}"
@@ -100,7 +111,7 @@ class RandomSkip(Skipper):
 
 class StaticRouter(nn.Module):
     def forward(self, x: torch.Tensor, positions=None, token_ids=None) -> torch.Tensor:
-        return x.new_zeros(x.shape[:-1])  # [T]: every token skips
+        return x.new_zeros(x.shape[:-1], dtype=torch.bool)  # [T] decisions: every token skips
 
 
 class Static(Skipper):
