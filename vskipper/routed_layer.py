@@ -256,8 +256,6 @@ class RouteCounter(nn.Module):
     buffer holds the real rows, those that RUN and those with a non-finite gate (three sums, the
     fewest ops per step); `read` derives the rest."""
 
-    FIELDS = ("tokens", "run", "project", "nonfinite")
-
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("counts", torch.zeros(3, dtype=torch.int64), persistent=False)
