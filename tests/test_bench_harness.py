@@ -259,32 +259,43 @@ def fake_quick(monkeypatch):
 
 
 def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypatch, tmp_path):
+    """Each round, at each load, upstream runs beside each other system in turn (the two calls at
+    once, each in its own thread), in a fresh random order, on the same requests."""
+    import threading
+
     systems = fake_quick(monkeypatch)
+    threads = []
+    real = FakeClient.run
+    monkeypatch.setattr(FakeClient, "run", lambda self, *a, **k: (threads.append(threading.get_ident()), real(self, *a, **k))[1])
     s = quick.Settings(rounds=5, concurrencies=(4, 8), open_requests=6, output_len=10, questions=8)
     text = quick.run(systems, s, tmp_path)
 
     warm = [c for c in FakeClient.calls if c[1][0][:2] == ("prompt", quick.WARM_UP_SEED + 1)]
     calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt" and c not in warm]  # the measured calls
-    assert len(calls) == 5 * 3 * 3
+    assert len(calls) == 5 * 3 * 2 * 2  # rounds x loads x pairs x 2
+    assert len(set(threads)) == 2 and threading.get_ident() not in threads  # two at once, off the main thread
     res_lives = json.loads((tmp_path / "results.json").read_text())["lifetimes"]
     assert res_lives == [0, 0, 1, 1, 1]  # 5 rounds fit: 2 on the first servers, the rest after the restart
     questions = [c for c in FakeClient.calls if c[1][0][0] == "question"]  # every question through every system
-    assert [c[0] for c in questions] == ["upstream@0", "fast@0", "slow@0"] and all(len(c[1]) == 8 for c in questions)
-    assert [c[0] for c in warm] == ["upstream@1", "fast@1", "slow@1"] and all(c[2] == 8 for c in warm)
-    assert FakeClient.calls.index(warm[-1]) == FakeClient.calls.index(calls[18]) - 1  # a wave, then round 3
-    orders = paired.round_orders(["upstream", "fast", "slow"], 5, 0)
+    assert sorted(c[0] for c in questions) == ["fast@0", "slow@0", "upstream@0"] and all(len(c[1]) == 8 for c in questions)
+    assert sorted(c[0] for c in warm) == ["fast@1", "slow@1", "upstream@1"] and all(c[2] == 8 for c in warm)
+    assert FakeClient.calls.index(warm[-1]) < FakeClient.calls.index(calls[24])  # a wave, then round 3
+    assert FakeClient.calls.index(warm[0]) > FakeClient.calls.index(calls[23])
+    orders = paired.round_orders(["fast", "slow"], 5, 0)
+    assert len({tuple(o) for o in orders}) == 2  # both orders occur
     for r in range(5):
-        rnd = calls[9 * r: 9 * (r + 1)]
-        closed, opened = rnd[:6], rnd[6:]
+        rnd = calls[12 * r: 12 * (r + 1)]
         life = res_lives[r]
-        want = [f"{n}@{life}" for n in orders[r]]
-        assert [c[0] for c in closed[:3]] == want == [c[0] for c in closed[3:]] == [c[0] for c in opened]
+        pairs = [rnd[i: i + 2] for i in range(0, 12, 2)]
+        for k, pair in enumerate(pairs):  # loads 4, 8, open; within each, the round's order
+            assert sorted(c[0] for c in pair) == sorted([f"upstream@{life}", f"{orders[r][k % 2]}@{life}"])
+            assert len({(c[1], c[2], c[3], c[4]) for c in pair}) == 1  # the very same requests, rate, arrival seed
         for conc in (4, 8):  # every system of the round got the very same requests
-            assert len({c[1] for c in closed if c[2] == conc}) == 1
-        assert len({(c[1], c[3], c[4]) for c in opened}) == 1  # same requests, same rate, same arrival seed
-        assert all(c[2] is None and math.isfinite(c[3]) for c in opened)
+            assert len({c[1] for c in rnd if c[2] == conc}) == 1
+        opened = rnd[8:]
+        assert len({(c[1], c[3], c[4]) for c in opened}) == 1 and all(c[2] is None and math.isfinite(c[3]) for c in opened)
     assert len({c[1] for c in calls if c[2] == 8}) == 5  # fresh prompts every round
-    rate = calls[6][3]
+    rate = calls[8][3]
     assert rate == pytest.approx(0.75 * 100.0 / 10)  # 0.75 x upstream's round-1 capacity at concurrency 8
 
     res = json.loads((tmp_path / "results.json").read_text())
@@ -364,18 +375,27 @@ def test_widened_interval_covers_the_true_ratio_despite_lifetime_offsets():
     assert plain / runs < 0.75 and wide / runs > 0.88, (plain / runs, wide / runs)
 
 
-def test_quick_run_stops_rounds_at_the_time_budget_but_not_below_min_rounds(monkeypatch, tmp_path):
-    """Each fake call takes 10 s: quality 30 s, a round of 3 systems x 3 loads 90 s."""
+def test_quick_run_plans_rounds_and_lifetimes_to_the_time_budget_but_not_below_min_rounds(monkeypatch, tmp_path):
+    """Each fake call takes 10 s (side by side or not) and start-up none: quality 30 s (3 systems), a
+    round 120 s (2 pairs x 3 loads x 2 calls), a restart's warm-up 30 s (planned at 40: the
+    highest load's share of a round, 3 systems in 2 pairs for 2 systems compared)."""
     systems = fake_quick(monkeypatch)
     monkeypatch.setattr(quick.time, "perf_counter", lambda: FakeClient.clock[0])
-    s = quick.Settings(rounds=8, min_rounds=4, budget_s=30 + 5.5 * 90 + 10, concurrencies=(4, 8), open_requests=6,
-                       output_len=10, questions=8)
-    quick.run(systems, s, tmp_path, started=0.0)
-    assert len(json.loads((tmp_path / "results.json").read_text())["rounds"]["concurrency 8"]["fast"]) == 5
-    s = quick.Settings(rounds=8, min_rounds=4, budget_s=1.0, concurrencies=(4, 8), open_requests=6, output_len=10,
-                       questions=8)
-    quick.run(systems, s, tmp_path, started=0.0)
-    assert len(json.loads((tmp_path / "results.json").read_text())["rounds"]["concurrency 8"]["fast"]) == 4
+
+    def lives_of(budget):
+        s = quick.Settings(rounds=8, min_rounds=4, budget_s=budget, concurrencies=(4, 8), open_requests=6,
+                           output_len=10, questions=8)
+        FakeClient.clock[0] = 0.0
+        quick.run(systems, s, tmp_path, started=0.0)
+        res = json.loads((tmp_path / "results.json").read_text())
+        assert len(res["rounds"]["concurrency 8"]["fast"]) == len(res["lifetimes"])
+        return res["lifetimes"]
+
+    # after round 1 (t = 150): 560 s left = a restart (40) + 4 more rounds
+    assert lives_of(150 + 10 + 40 + 4 * 120) == [0, 0, 1, 1, 1]
+    # 380 s left: with a restart 3 rounds in all, fewer than min_rounds; without, 4
+    assert lives_of(150 + 10 + 380) == [0, 0, 0, 0]
+    assert lives_of(1.0) == [0, 0, 0, 0]  # never fewer than min_rounds
 
 
 def test_quick_run_names_a_server_that_died_mid_run(monkeypatch, tmp_path):
@@ -423,3 +443,33 @@ def test_start_all_interrupted_stops_every_server_it_launched(monkeypatch, tmp_p
     with pytest.raises(KeyboardInterrupt):
         servers.start_all([System(n, "m") for n in "abc"], tmp_path, on_ready=interrupt)
     assert sorted(stopped) == ["a", "b", "c"]
+
+
+def test_open_loop_arrivals_are_seeded_per_call_poisson_from_zero():
+    """Two calls side by side each draw their own arrival times (SGLang's get_request would share
+    numpy's global generator between them): same seed, same times; gaps exponential, mean 1 / rate."""
+    import numpy as np
+
+    from vskipper.bench.sglang_client import _arrivals
+
+    a = _arrivals(4000, 5.0, np.random.default_rng(3))
+    assert a == _arrivals(4000, 5.0, np.random.default_rng(3)) and a != _arrivals(4000, 5.0, np.random.default_rng(4))
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    gaps = np.diff(a)
+    assert gaps.mean() == pytest.approx(0.2, rel=0.05) and gaps.std() == pytest.approx(0.2, rel=0.08)
+    assert _arrivals(1, 5.0, np.random.default_rng(0)) == [0.0]
+
+
+def test_unused_model_modules_keeps_every_module_naming_the_architecture(tmp_path):
+    """SGLANG_DISABLED_MODEL_ARCHS for a server: SGLang's model modules that never name the
+    checkpoint's architecture; none when a name is found nowhere (SGLang then searches as usual)."""
+    from vskipper.bench.servers import unused_model_modules
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    unused = unused_model_modules(str(tmp_path))
+    assert "llama" not in unused and "registry" not in unused and "qwen3" in unused and len(unused) > 100
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    assert "qwen3" not in unused_model_modules(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    assert unused_model_modules(str(tmp_path)) == []
+    assert unused_model_modules(str(tmp_path / "missing")) == []

@@ -233,3 +233,17 @@ def test_calibrations_are_kept_per_dtype():
     assert cost.load("cpu", 40, 72).dtype == "float32"  # both kept
     with pytest.warns(UserWarning, match=r"\(hidden=40, intermediate=72, float16\).*--shape 40,72 --dtype float16"):
         cost.warn_uncalibrated(torch.device("cpu"), 40, 72, "float16")
+
+
+def test_calibrate_max_batch_limits_the_decode_grid_only(monkeypatch, capsys, tmp_path):
+    """`make demo`'s first run times the batch sizes its servers see (--max-batch 64); prefill keeps its grid."""
+    from vskipper import calibrate
+
+    monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(calibrate, "measure", lambda *a, phase, ts=None, **k: (seen.append((phase, ts)), (synthetic(), None))[1])
+    calibrate.main(["--shape", "40,72", "--max-batch", "64"])
+    assert seen == [("decode", (1, 2, 4, 8, 16, 32, 64)), ("prefill", None)]
+    with pytest.raises(SystemExit):
+        calibrate.main(["--shape", "40,72", "--max-batch", "1"])
+    assert "--max-batch 1: expected an integer >= 2" in capsys.readouterr().err

@@ -213,6 +213,9 @@ def main(argv=None) -> None:
                     help="dtype to time the layer in, as the model runs (default: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--phase", choices=["both", *cost.PHASES], default="both",
                     help="what to time: decode steps, prefill (an extend of one prompt), or both (default)")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="decode: time batch sizes of the grid up to this only (default: all, up to %d; beyond the "
+                         "table the cost model scales its last row linearly)" % cost.GRID_T[-1])
     ap.add_argument("--export", help="also write the calibration to this directory (to ship it)")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -242,9 +245,16 @@ def main(argv=None) -> None:
           file=sys.stderr)
     if args.repeats < 1 or args.passes < 1:
         ap.error(f"--repeats and --passes must be >= 1 (got {args.repeats} and {args.passes})")
+    ts = None
+    if args.max_batch is not None:
+        ts = tuple(t for t in cost.GRID_T if t <= args.max_batch)
+        if len(ts) < 2:
+            ap.error(f"--max-batch {args.max_batch}: expected an integer >= {cost.GRID_T[1]} (two batch sizes of the "
+                     f"grid {list(cost.GRID_T)} at least)")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     for phase in cost.PHASES if args.phase == "both" else (args.phase,):
-        cal, _ = measure(*dims, device=device, dtype=dtype, repeats=args.repeats, passes=args.passes, phase=phase)
+        cal, _ = measure(*dims, device=device, dtype=dtype, repeats=args.repeats, passes=args.passes, phase=phase,
+                         ts=ts if phase == "decode" else None)
         print(f"{phase} calibration cached in {cost.save(cal)}")
         if args.export:
             print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")

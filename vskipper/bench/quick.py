@@ -3,24 +3,28 @@ quality measured beside speed, in under 10 minutes on 2 CPUs.
 
 1. start every system's server (in parallel), one CPU thread each (see Settings);
 2. quality, which also warms every server up: a spread of the shipped arithmetic questions,
-   greedy, through every server: accuracy (the answer's last integer, as bench/quality.py scores
-   it), how often that answer equals upstream's, and greedy agreement (the share of upstream's
-   answer tokens a system reproduces before its first divergence);
-3. paired rounds, as many as the time budget allows (at least min_rounds): each round samples
-   fresh shipped prompts (the same for every system) and runs every system, in a fresh random order, at each closed-loop concurrency (output tok/s, TPOT),
-   then at one open-loop load, Poisson arrivals at `open_load` x upstream's capacity (e2e,
-   TTFT); capacity = upstream's output throughput at the highest concurrency in round 1 / output
-   length, then fixed for the run. The rounds are shared out over `lifetimes` server lifetimes:
-   midway every server is stopped and started afresh (then warmed up by one wave of requests at
-   the highest concurrency), because a server is a few percent faster or slower for its whole life;
-4. per metric the median of per-round ratios against upstream with a bootstrap 95% CI
-   (vskipper.bench.paired), tables, one verdict line and a figure, written to --out.
+   greedy, through every server (two at a time): accuracy (the answer's last integer, as
+   bench/quality.py scores it), how often that answer equals upstream's, and greedy agreement
+   (the share of upstream's answer tokens a system reproduces before its first divergence);
+3. paired rounds, as many as the time budget allows (at least min_rounds; how many, and over how
+   many server lifetimes, is planned from what start-up and round 1 took): each round samples
+   fresh shipped prompts, and at each load runs upstream beside each other system in turn (in a
+   fresh random order), the two at once on the same requests, one CPU each (see Settings:
+   `side by side`): closed loop at each concurrency (output tok/s, TPOT), then one open-loop load,
+   Poisson arrivals at `open_load` x upstream's capacity (e2e, TTFT); capacity = upstream's output
+   throughput at the highest concurrency in round 1 / output length, then fixed for the run. The
+   rounds are shared out over `lifetimes` server lifetimes: midway every server is stopped and
+   started afresh (then warmed up by one wave of requests at the highest concurrency), because a
+   server is a few percent faster or slower for its whole life;
+4. per metric the median of per-round ratios against the upstream run beside it, with a bootstrap
+   95% CI (vskipper.bench.paired), tables, one verdict line and a figure, written to --out.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +57,13 @@ class Settings:
     # concurrency 8, 7.6-38 at 32) whenever another process held a core, its OpenMP threads
     # waiting on each other; with 1 thread it held 43-45 and 92-100 tok/s alongside the same load.
     server_threads: int = 1
+    # Side by side: upstream and the system compared with it run at the same time, each call of the
+    # client in its own thread, the OS giving each server's one thread a CPU of its own. Measured on
+    # this VM (2026-12-01, two upstream servers A and B, c32 waves of 16 tokens, 8 rounds): the
+    # ratio B/A had a spread (sd) of 3.0% side by side against 8.4% one after the other in the same
+    # rounds (a slow spell of this shared machine hits both of a pair), and a pair took 11.5 s
+    # where the two one after the other took 21 s. (Noisier spells gave 7-8% side by side; then
+    # one after the other was worse still.)
     # Server lifetimes per run, the rounds shared out over them. Two servers of one configuration
     # differ by a few percent for their whole life (2026-12-01, this VM: one rate-0 server measured
     # 1.013 and, restarted, 0.954 of the same upstream server, each within a spread of +-3% over 6
@@ -112,6 +123,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     """started: time.perf_counter() when the job began (the demo's calibration counts against
     s.budget_s); default now."""
     import signal
+    from concurrent.futures import ThreadPoolExecutor
 
     from vskipper.bench.sglang_client import Client
 
@@ -122,16 +134,21 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     deadline = t_start + s.budget_s
     out.mkdir(parents=True, exist_ok=True)
     names = [x.name for x in systems]
+    base, others = names[0], names[1:]
     client = Client(systems[0].model_path, out)
     closed = [f"concurrency {c}" for c in s.concurrencies]
     open_label = f"open loop {s.open_load}x capacity"
     metrics_of = {**{c: CLOSED_METRICS for c in closed}, open_label: OPEN_METRICS}
+    # rounds[load][system]: one measurement per round (the baseline: one per pair it ran in);
+    # beside[load][system]: the baseline's measurement in that system's pair, round by round
     rounds = {load: {n: [] for n in names} for load in metrics_of}
+    beside = {load: {n: [] for n in others} for load in metrics_of}
     failed = {load: {n: 0 for n in names} for load in metrics_of}
     servers, transforms, orders, lives, rate = {}, {}, [], [], None
     questions = question_subset(s.questions)
     qrows = client.question_rows([q["prompt"] for q in questions], s.answer_tokens)
-    texts, up_s = {}, []  # up_s: seconds each start of the servers took
+    texts, up_s, warm_s = {}, [], []  # seconds each start of the servers took, and each warm-up
+    two = ThreadPoolExecutor(2)
 
     def send(n: str, rows, **kw):
         try:
@@ -142,12 +159,21 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                 raise
             raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
 
-    def start_life(life: int) -> None:
+    def side_by_side(a: str, b: str | None, rows, **kw):
+        """a and b on the same requests at the same time, each on its own CPU (see Settings.pairs)."""
+        fa = two.submit(send, a, rows, **kw)
+        fb = None if b is None else two.submit(send, b, rows, **kw)
+        return fa.result(), (None if fb is None else fb.result())
+
+    def in_twos(xs: list[str]) -> list[tuple[str, str | None]]:
+        return [(xs[i], xs[i + 1] if i + 1 < len(xs) else None) for i in range(0, len(xs), 2)]
+
+    def start_life(life: int, of: int) -> None:
         """Start every server (again): the first time, put the questions through them; after a
         restart, warm them up with one unmeasured wave."""
         nonlocal servers
         t0 = time.perf_counter()
-        what = f"lifetime {life + 1}/{s.lifetimes}"
+        what = f"lifetime {life + 1}/{of}"
         if life:
             for srv in servers.values():
                 stop(srv)
@@ -157,12 +183,13 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                                 threads=s.server_threads, log_level="info")
         up_s.append(time.perf_counter() - t0)
         if life:
-            c = max(s.concurrencies)
+            t0, c = time.perf_counter(), max(s.concurrencies)
             rows = client.prompt_rows(c, s.output_len, seed=WARM_UP_SEED + life)
             with bar(len(systems), f"warm-up ({what})") as b:
-                for n in names:
-                    send(n, rows, concurrency=c)
-                    b.update(1)
+                for a, a2 in in_twos(names):
+                    side_by_side(a, a2, rows, concurrency=c)
+                    b.update(1 + (a2 is not None))
+            warm_s.append(time.perf_counter() - t0)
             return
         log("server memory (PSS): " + ", ".join(f"{n} {memory_gb(srv):.1f} GB" for n, srv in servers.items()))
         for n, srv in servers.items():
@@ -170,67 +197,82 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
             if transforms[n]:
                 log(f"{n}: {transforms[n]}")
         log(f"phase 2/4: quality (and warm-up): {s.questions} arithmetic questions, greedy, <= {s.answer_tokens} "
-            f"new tokens, through every server")
+            f"new tokens, through every server, two servers at a time")
         with bar(len(systems), "quality") as b:
-            for n in names:
-                res = send(n, qrows, concurrency=len(qrows), ignore_eos=False)
-                if res.completed != res.requests:
-                    bad = next(e for e in res.errors if e)
-                    raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: {bad[-500:]}")
-                texts[n] = res.texts
-                b.update(1)
+            for a, a2 in in_twos(names):
+                for n, res in zip((a, a2), side_by_side(a, a2, qrows, concurrency=len(qrows), ignore_eos=False)):
+                    if n is None:
+                        continue
+                    if res.completed != res.requests:
+                        bad = next(e for e in res.errors if e)
+                        raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: {bad[-500:]}")
+                    texts[n] = res.texts
+                    b.update(1)
+
+    def plan(round_s: float) -> tuple[int, int]:
+        """After round 1: (rounds, lifetimes) that fit what is left of the budget. The lifetimes
+        are s.lifetimes if that many restarts still leave min_rounds, else 1; a restart costs a
+        start-up as measured plus a warm-up (one wave per pair of servers: about the round's share
+        of its highest-concurrency load, times pairs / systems compared)."""
+        left = deadline - time.perf_counter() - 10  # 10 s: stop the servers, report
+        warm = round_s / len(metrics_of) * len(in_twos(names)) / len(others)
+        fit = lambda lives: min(s.rounds, 1 + max(0, int((left - (lives - 1) * (up_s[0] + warm)) // round_s)))  # noqa: E731
+        if s.lifetimes > 1 and fit(s.lifetimes) >= s.min_rounds:
+            return fit(s.lifetimes), s.lifetimes
+        return max(s.min_rounds, fit(1)), 1
 
     try:
         log(f"phase 1/4: starting {len(systems)} SGLang servers ({', '.join(names)}) in parallel, "
             f"{s.server_threads} CPU thread(s) each")
-        start_life(0)
-        log(f"phase 3/4: paired rounds ({s.min_rounds} to {s.rounds}, as the {s.budget_s:.0f} s budget allows) x "
-            f"{len(systems)} systems x {len(metrics_of)} loads, {s.output_len} output tokens per request, "
-            f"over {s.lifetimes} server lifetime(s)")
-        life, in_life, per_life, round_s = 0, 0, None, 0.0
-        with bar(s.rounds * len(systems) * len(metrics_of), "paired rounds") as b:
-            for r, order in enumerate(round_orders(names, s.rounds, s.seed)):
-                per_round = round_s / max(1, r)
-                last_life = life == s.lifetimes - 1
-                if (r >= s.min_rounds and last_life and in_life
-                        and time.perf_counter() + per_round + 10 > deadline):  # 10 s: stop, report
-                    log(f"time budget: stopping after {r} rounds ({per_round:.0f} s each)")
+        start_life(0, s.lifetimes)
+        log(f"phase 3/4: paired rounds ({s.min_rounds} to {s.rounds}, as the {s.budget_s:.0f} s budget allows): each "
+            f"round, at each of {len(metrics_of)} loads, {base} beside each other system in turn (the two at once, "
+            f"same requests), {s.output_len} output tokens per request")
+        life, in_life, per_life, n_rounds, n_lives, round_s = 0, 0, None, s.rounds, s.lifetimes, 0.0
+        with bar(s.rounds * len(others) * len(metrics_of), "paired rounds") as b:
+            for r, order in enumerate(round_orders(others, s.rounds, s.seed)):
+                if r >= n_rounds or (r >= s.min_rounds and life == n_lives - 1 and in_life
+                                     and time.perf_counter() + round_s + 10 > deadline):  # rounds ran slower
+                    log(f"time budget: stopping after {r} rounds (round 1 took {round_s:.0f} s)")
                     break
-                if not last_life and in_life == per_life:
+                if life < n_lives - 1 and in_life == per_life:
                     life, in_life = life + 1, 0
-                    start_life(life)
+                    start_life(life, n_lives)
                 t_round = time.perf_counter()
                 orders.append(order)
                 rows = {c: client.prompt_rows(c, s.output_len, seed=s.seed + 1000 * r + c) for c in s.concurrencies}
-                for c, load in zip(s.concurrencies, closed):  # per load, the systems back to back
+
+                def measure_pairs(load, rows, **kw):
                     for n in order:
-                        res = send(n, rows[c], concurrency=c)
-                        rounds[load][n].append(measure(res, load))
-                        failed[load][n] += res.requests - res.completed
+                        rb, rx = side_by_side(base, n, rows, **kw)
+                        for who, res in ((base, rb), (n, rx)):
+                            rounds[load][who].append(measure(res, load))
+                            failed[load][who] += res.requests - res.completed
+                        beside[load][n].append(rounds[load][base][-1])
                         b.update(1)
+
+                for c, load in zip(s.concurrencies, closed):
+                    measure_pairs(load, rows[c], concurrency=c)
                 if rate is None:
-                    top = rounds[closed[-1]][names[0]][0]["tok_s"]
+                    top = statistics.median(x["tok_s"] for x in rounds[closed[-1]][base])
                     rate = s.open_load * top / s.output_len
-                    log(f"{names[0]} capacity at {closed[-1]}: {top:.1f} tok/s = {top / s.output_len:.2f} req/s; "
+                    log(f"{base} capacity at {closed[-1]}: {top:.1f} tok/s = {top / s.output_len:.2f} req/s; "
                         f"open loop at {rate:.2f} req/s")
                 open_rows = client.prompt_rows(s.open_requests, s.output_len, seed=s.seed + 1000 * r + 7)
-                for n in order:
-                    res = send(n, open_rows, concurrency=None, rate=rate, seed=s.seed + r)
-                    rounds[open_label][n].append(measure(res, open_label))
-                    failed[open_label][n] += res.requests - res.completed
-                    b.update(1)
+                measure_pairs(open_label, open_rows, concurrency=None, rate=rate, seed=s.seed + r)
                 lives.append(life)
                 in_life += 1
-                round_s += time.perf_counter() - t_round
                 if per_life is None:  # after round 1: the rounds that fit, shared out over the lifetimes
-                    restart_s = up_s[0] + round_s / len(metrics_of)  # start-up, and a warm-up wave ~ one load's share
-                    left = deadline - time.perf_counter() - 10 - (s.lifetimes - 1) * restart_s
-                    fit = min(s.rounds, max(s.min_rounds, 1 + int(left // round_s)))
-                    per_life = fit // s.lifetimes  # the last lifetime takes the rest, as the budget allows
-                    if s.lifetimes > 1:
-                        log(f"{fit} rounds fit the budget: {per_life} per server lifetime")
+                    round_s = time.perf_counter() - t_round
+                    n_rounds, n_lives = plan(round_s)
+                    per_life = n_rounds // n_lives  # the last lifetime takes the rest
+                    b.total = n_rounds * len(others) * len(metrics_of)
+                    log(f"{n_rounds} rounds of {round_s:.0f} s fit the budget"
+                        + (f": {per_life} per server lifetime, {n_lives} lifetimes" if n_lives > 1 else
+                           " with no restart (one server lifetime: the CIs cannot see a server's lifetime offset)"))
                 b.set_postfix_str(" ".join(f"{n}={rounds[closed[-1]][n][-1]['tok_s']:.0f}" for n in names))
     finally:
+        two.shutdown(wait=False, cancel_futures=True)
         for srv in servers.values():
             stop(srv)
 
@@ -245,7 +287,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
         quality[n] = {"correct": correct, "same": same, "questions": len(questions),
                       "accuracy": correct / len(questions), "agreement": same / len(questions),
                       "prefix": report.prefix_share([encode(t) for t in texts[n]], base_ids)}
-    d = report.deltas(rounds, names, metrics_of, lives)
+    d = report.deltas(rounds, names, metrics_of, lives, beside)
     labels = {x.name: x.label for x in systems}
     # The verdict carries the closed-loop headline only: in three runs in a row (2026-12-01) the
     # open loop's e2e delta for RandomSkip(0.5) came out -4.8% (not resolved), -10.3% and +8.7%
@@ -256,7 +298,10 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
               f"quick paired run: {len(orders)} rounds, closed loop at concurrency {', '.join(map(str, s.concurrencies))} "
               f"(one wave each), open loop {s.open_requests} requests at {rate:.2f} req/s "
               f"({s.open_load}x upstream's capacity), {s.output_len} output tokens per request, "
-              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {max(lives) + 1} server lifetime(s), rounds per lifetime {[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} [bootstrap 95% CI, widened by the lifetimes' spread]; "
+              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {names[0]} beside each other "
+              f"system in turn, the two at once, {max(lives) + 1} server lifetime(s), rounds per lifetime "
+              f"{[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} "
+              f"[bootstrap 95% CI, widened by the lifetimes' spread]; "
               f"{wall:.0f} s (servers included)")
     curve = {n: sorted([(_median(rounds[c][n], "tok_s") / s.output_len, _median(rounds[c][n], "e2e_ms") / 1e3)
                         for c in closed] + [(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]) for n in names}
@@ -269,7 +314,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     (out / "table.md").write_text(text)
     (out / "results.json").write_text(json.dumps({
         "settings": asdict(s), "systems": [asdict(x) for x in systems], "transforms": transforms,
-        "open_rate": rate, "rounds": rounds,
+        "open_rate": rate, "rounds": rounds, "beside": beside,
         "orders": orders, "lifetimes": lives, "failed": failed, "quality": quality, "verdict": line,
         "deltas": {load: {n: {m: asdict(v) for m, v in dm.items()} for n, dm in dl.items()} for load, dl in d.items()},
         "answers": {n: list(t) for n, t in texts.items()}, "wall_s": wall}, indent=1))
@@ -277,6 +322,4 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
 
 
 def _median(rows: list[dict], metric: str) -> float:
-    import statistics
-
     return statistics.median(r[metric] for r in rows)

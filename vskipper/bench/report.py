@@ -1,7 +1,8 @@
 """What a quick paired run prints: tables of medians and paired deltas, the quality table, the
 one-line verdict, and the figure (latency against load beside the per-round ratios).
 
-`rounds[load][system]` is a list with one measurement per round (a dict of metric -> value);
+`rounds[load][system]` is a list with one measurement per round (a dict of metric -> value; the
+quick run's baseline has one per system it ran beside, and `beside` pairs them up);
 `quality[system]` holds accuracy and agreement with the baseline. The first system is the
 baseline every delta is taken against.
 """
@@ -44,16 +45,20 @@ def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
     return same / max(1, total)
 
 
-def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]], lives: list[int] | None = None) -> dict:
+def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]], lives: list[int] | None = None,
+           beside: dict | None = None) -> dict:
     """{load: {system: {metric: Delta}}} for every system but the baseline (names[0]). lives[r]: the
     server lifetime round r ran on; with several, each interval also holds the lifetime offsets'
-    spread (paired.lifetime_half_width, pooled over the systems of that load and metric)."""
+    spread (paired.lifetime_half_width, pooled over the systems of that load and metric).
+    beside[load][system]: the baseline's measurements a system is compared with, round by round
+    (the quick run's baseline runs beside each system in turn); default rounds[load][names[0]]."""
     base = names[0]
     out = {}
     for load, per_sys in rounds.items():
         out[load] = {name: {} for name in names[1:]}
+        ref = {name: (beside[load][name] if beside is not None else per_sys[base]) for name in names[1:]}
         for m in metrics_of[load]:
-            d = {name: paired_delta([r[m] for r in per_sys[name]], [r[m] for r in per_sys[base]]) for name in names[1:]}
+            d = {name: paired_delta([r[m] for r in per_sys[name]], [r[m] for r in ref[name]]) for name in names[1:]}
             hw = None if lives is None else lifetime_half_width({n: list(x.ratios) for n, x in d.items()}, lives)
             for name in names[1:]:
                 out[load][name][m] = widened(d[name], hw)

@@ -12,6 +12,11 @@ generator, same gather) without what that function adds around it on every call:
 request, a fixed 1 s sleep, two /server_info requests, a printed report and an appended result
 file. Measured here at about 1 s per call; a quick run makes ~70 calls, so that would be more than
 a tenth of its 10-minute budget spent idle. Subprocess calls of the CLI cost ~20 s each.
+And the open loop's arrival times: SGLang's `get_request` draws each Poisson gap from numpy's
+global generator as it goes, so two calls running at once (the quick run measures two servers
+side by side, each call in its own thread) would take each other's draws. `_arrivals` draws the
+same exponential gaps up front from a generator of the call's own seed, and `_drive` sends each
+request at its time, as `get_request` replays a trace.
 """
 from __future__ import annotations
 
@@ -21,12 +26,15 @@ import contextlib
 import io
 import json
 import random
+import threading
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Client", "LoadResult", "opt_out"]
+
+_GLOBAL = threading.Lock()  # SGLang's module-global args and our stdout redirect: one call at a time
 
 
 @dataclass(frozen=True)
@@ -131,18 +139,20 @@ class Client:
         if not rate > 0:
             raise ValueError(f"run: rate={rate} must be > 0 (inf: all at once)")
         sb = self.sb
-        sb.set_global_args(_args(ignore_eos))  # SGLang's request function reads its module-global args
+        with _GLOBAL:  # the same args for every call of a run; calls may overlap (see the docstring)
+            sb.set_global_args(_args(ignore_eos))  # SGLang's request function reads its module-global args
         sb.flush_server_cache(url, "sglang")  # every call starts from an empty radix cache
-        np.random.seed(seed)  # get_request draws its Poisson gaps from numpy's global generator
-        outputs, duration = asyncio.run(self._drive(url, rows, concurrency, rate))
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        at = None if rate == float("inf") else _arrivals(len(rows), rate, np.random.default_rng(seed))
+        outputs, duration = asyncio.run(self._drive(url, rows, concurrency, at))
+        with _GLOBAL, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             m, _ = sb.calculate_metrics(rows, outputs, duration, self.tokenizer, "sglang")
         return LoadResult(len(rows), m.completed, duration, m.output_throughput, m.mean_ttft_ms, m.mean_tpot_ms,
                           m.mean_e2e_latency_ms, tuple(o.generated_text for o in outputs), tuple(o.error for o in outputs),
                           tuple((o.success, o.ttft, o.latency, o.output_len, o.start_time) for o in outputs))
 
-    async def _drive(self, url: str, rows: list, concurrency: int | None, rate: float):
-        """The core of sglang.benchmark.serving.benchmark(); see the module docstring for why ours."""
+    async def _drive(self, url: str, rows: list, concurrency: int | None, at: list[float] | None):
+        """The core of sglang.benchmark.serving.benchmark(); see the module docstring for why ours.
+        at: each request's send time, s after the first (None: all at once)."""
         sb = self.sb
         sem = asyncio.Semaphore(concurrency) if concurrency else None
 
@@ -157,7 +167,20 @@ class Client:
 
         t0 = time.perf_counter()
         tasks = []
-        async for row in sb.get_request(list(rows), rate):
-            tasks.append(asyncio.create_task(one(row)))
+        if at is None:
+            async for row in sb.get_request(list(rows), float("inf")):
+                tasks.append(asyncio.create_task(one(row)))
+        else:
+            for row, t in zip(rows, at):
+                if (wait := t0 + t - time.perf_counter()) > 0:
+                    await asyncio.sleep(wait)
+                tasks.append(asyncio.create_task(one(row)))
         outputs = await asyncio.gather(*tasks)
         return outputs, time.perf_counter() - t0
+
+
+def _arrivals(n: int, rate: float, rng) -> list[float]:
+    """Poisson arrivals at `rate` req/s as SGLang's get_request draws them (the first at once, then
+    an exponential gap of mean 1 / rate after each), as times from the first, s."""
+    gaps = rng.exponential(1.0 / rate, n - 1)
+    return [0.0] + [float(x) for x in gaps.cumsum()]
