@@ -266,14 +266,16 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     systems = fake_quick(monkeypatch)
     threads = []
     real = FakeClient.run
-    monkeypatch.setattr(FakeClient, "run", lambda self, *a, **k: (threads.append(threading.get_ident()), real(self, *a, **k))[1])
+    monkeypatch.setattr(FakeClient, "run", lambda self, url, rows, *a, **k: (
+        threads.append((rows[0][:2], threading.get_ident())), real(self, url, rows, *a, **k))[1])
     s = quick.Settings(rounds=5, concurrencies=(4, 8), open_requests=6, output_len=10, questions=8)
     text = quick.run(systems, s, tmp_path)
 
     warm = [c for c in FakeClient.calls if c[1][0][:2] == ("prompt", quick.WARM_UP_SEED + 1)]
     calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt" and c not in warm]  # the measured calls
     assert len(calls) == 5 * 3 * 2 * 2  # rounds x loads x pairs x 2
-    assert len(set(threads)) == 2 and threading.get_ident() not in threads  # two at once, off the main thread
+    measured = {t for kind, t in threads if kind[0] == "prompt" and kind[1] < quick.WARM_UP_SEED}
+    assert len(measured) == 2 and threading.get_ident() not in measured  # two at once, off the main thread
     res_lives = json.loads((tmp_path / "results.json").read_text())["lifetimes"]
     assert res_lives == [0, 0, 1, 1, 1]  # 5 rounds fit: 2 on the first servers, the rest after the restart
     questions = [c for c in FakeClient.calls if c[1][0][0] == "question"]  # every question through every system
@@ -382,8 +384,8 @@ def test_quick_run_plans_rounds_and_lifetimes_to_the_time_budget_but_not_below_m
     systems = fake_quick(monkeypatch)
     monkeypatch.setattr(quick.time, "perf_counter", lambda: FakeClient.clock[0])
 
-    def lives_of(budget):
-        s = quick.Settings(rounds=8, min_rounds=4, budget_s=budget, concurrencies=(4, 8), open_requests=6,
+    def lives_of(budget, min_rounds=4):
+        s = quick.Settings(rounds=8, min_rounds=min_rounds, budget_s=budget, concurrencies=(4, 8), open_requests=6,
                            output_len=10, questions=8)
         FakeClient.clock[0] = 0.0
         quick.run(systems, s, tmp_path, started=0.0)
@@ -396,6 +398,8 @@ def test_quick_run_plans_rounds_and_lifetimes_to_the_time_budget_but_not_below_m
     # 380 s left: with a restart 3 rounds in all, fewer than min_rounds; without, 4
     assert lives_of(150 + 10 + 380) == [0, 0, 0, 0]
     assert lives_of(1.0) == [0, 0, 0, 0]  # never fewer than min_rounds
+    # 300 s left: a restart and 2 more rounds would meet min_rounds 3, but leave one round on a lifetime
+    assert lives_of(150 + 10 + 300, min_rounds=3) == [0, 0, 0]
 
 
 def test_quick_run_names_a_server_that_died_mid_run(monkeypatch, tmp_path):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -153,7 +154,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     questions = question_subset(s.questions)
     qrows = client.question_rows([q["prompt"] for q in questions], s.answer_tokens)
     texts, up_s, warm_s = {}, [], []  # seconds each start of the servers took, and each warm-up
-    two = ThreadPoolExecutor(2)
+    two, coin = ThreadPoolExecutor(2), random.Random(s.seed)
 
     def send(n: str, rows, **kw):
         try:
@@ -165,10 +166,15 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
             raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
 
     def side_by_side(a: str, b: str | None, rows, **kw):
-        """a and b on the same requests at the same time, each on its own CPU (see Settings.pairs)."""
-        fa = two.submit(send, a, rows, **kw)
-        fb = None if b is None else two.submit(send, b, rows, **kw)
-        return fa.result(), (None if fb is None else fb.result())
+        """a and b on the same requests at the same time, each on its own CPU (see Settings: side
+        by side); which of the two is sent first, a few ms ahead, is drawn afresh each time."""
+        if b is None:
+            return send(a, rows, **kw), None
+        first, second = (a, b) if coin.random() < 0.5 else (b, a)
+        f1 = two.submit(send, first, rows, **kw)
+        f2 = two.submit(send, second, rows, **kw)
+        res = {first: f1.result(), second: f2.result()}
+        return res[a], res[b]
 
     def in_twos(xs: list[str]) -> list[tuple[str, str | None]]:
         return [(xs[i], xs[i + 1] if i + 1 < len(xs) else None) for i in range(0, len(xs), 2)]
@@ -216,13 +222,15 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
 
     def plan(round_s: float) -> tuple[int, int]:
         """After round 1: (rounds, lifetimes) that fit what is left of the budget. The lifetimes
-        are s.lifetimes if that many restarts still leave min_rounds, else 1; a restart costs a
-        start-up as measured plus a warm-up (one wave per pair of servers: about the round's share
-        of its highest-concurrency load, times pairs / systems compared)."""
+        are s.lifetimes if that many restarts still leave min_rounds and two rounds per lifetime,
+        else 1 (one round on a lifetime says nothing of its spread: on this VM, 2026-12-01, a run
+        of 1 + 2 rounds got intervals of +-22 points, and its restart took it to 619 s); a restart
+        costs a start-up as measured plus a warm-up (one wave per pair of servers: about the
+        round's share of its highest-concurrency load, times pairs / systems compared)."""
         left = deadline - time.perf_counter() - 10  # 10 s: stop the servers, report
         warm = round_s / len(metrics_of) * len(in_twos(names)) / len(others)
         fit = lambda lives: min(s.rounds, 1 + max(0, int((left - (lives - 1) * (up_s[0] + warm)) // round_s)))  # noqa: E731
-        if s.lifetimes > 1 and fit(s.lifetimes) >= s.min_rounds:
+        if s.lifetimes > 1 and fit(s.lifetimes) >= max(s.min_rounds, 2 * s.lifetimes):
             return fit(s.lifetimes), s.lifetimes
         return max(s.min_rounds, fit(1)), 1
 

@@ -225,7 +225,7 @@ def main(argv=None, started: float | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the main job: paired rounds through SGLang's own client plus quality, under 10 minutes "
                          "on 2 CPUs (vskipper/bench/quick.py); without it, the full run with the knee search")
-    ap.add_argument("--rounds", type=int, help="quick run: at most this many paired rounds (default 8; fewer if the "
+    ap.add_argument("--rounds", type=int, help="quick run: at most this many paired rounds (default 12; fewer if the "
                                                "time budget runs out, never fewer than 3)")
     ap.add_argument("--budget", type=float, help="quick run: seconds for the whole job (default 570)")
     ap.add_argument("--requests", type=int, default=48, help="full run: requests per load")
