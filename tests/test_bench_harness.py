@@ -266,8 +266,15 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     systems = fake_quick(monkeypatch)
     threads = []
     real = FakeClient.run
-    monkeypatch.setattr(FakeClient, "run", lambda self, url, rows, *a, **k: (
-        threads.append((rows[0][:2], threading.get_ident())), real(self, url, rows, *a, **k))[1])
+    both = threading.Barrier(2, timeout=10)  # a call off the main thread waits for its pair's other call
+
+    def run(self, url, rows, *a, **k):
+        threads.append((rows[0][:2], threading.get_ident()))
+        if threading.current_thread() is not threading.main_thread():
+            both.wait()
+        return real(self, url, rows, *a, **k)
+
+    monkeypatch.setattr(FakeClient, "run", run)
     s = quick.Settings(rounds=5, concurrencies=(4, 8), open_requests=6, output_len=10, questions=8)
     text = quick.run(systems, s, tmp_path)
 
@@ -275,7 +282,7 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt" and c not in warm]  # the measured calls
     assert len(calls) == 5 * 3 * 2 * 2  # rounds x loads x pairs x 2
     measured = {t for kind, t in threads if kind[0] == "prompt" and kind[1] < quick.WARM_UP_SEED}
-    assert len(measured) == 2 and threading.get_ident() not in measured  # two at once, off the main thread
+    assert len(measured) == 2 and threading.get_ident() not in measured  # two at once (the barrier), off the main thread
     res_lives = json.loads((tmp_path / "results.json").read_text())["lifetimes"]
     assert res_lives == [0, 0, 1, 1, 1]  # 5 rounds fit: 2 on the first servers, the rest after the restart
     questions = [c for c in FakeClient.calls if c[1][0][0] == "question"]  # every question through every system

@@ -166,8 +166,8 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
             raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
 
     def side_by_side(a: str, b: str | None, rows, **kw):
-        """a and b on the same requests at the same time, each on its own CPU (see Settings: side
-        by side); which of the two is sent first, a few ms ahead, is drawn afresh each time."""
+        """a and b on the same requests at the same time, two one-thread servers on two CPUs (see
+        Settings: side by side); which of the two is sent first, a few ms ahead, is drawn afresh."""
         if b is None:
             return send(a, rows, **kw), None
         first, second = (a, b) if coin.random() < 0.5 else (b, a)
@@ -332,7 +332,8 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
         "open_rate": rate, "rounds": rounds, "beside": beside,
         "orders": orders, "lifetimes": lives, "failed": failed, "quality": quality, "verdict": line,
         "deltas": {load: {n: {m: asdict(v) for m, v in dm.items()} for n, dm in dl.items()} for load, dl in d.items()},
-        "answers": {n: list(t) for n, t in texts.items()}, "wall_s": wall}, indent=1))
+        "answers": {n: list(t) for n, t in texts.items()}, "start_s": up_s, "warm_up_s": warm_s,
+        "round_s": round_times, "wall_s": wall}, indent=1))
     return text + f"plot: {fig}\n"
 
 
