@@ -145,6 +145,37 @@ def test_bootstrap_ci_covers_the_true_median_about_95_percent_of_the_time():
     assert far <= 0.05 * trials, far
 
 
+def test_rerun_half_width_is_students_t_on_a_medians_standard_error_times_sqrt2():
+    xs = [0.02, 0.10, 0.03, 0.09, 0.06]
+    sd = statistics.stdev(xs)
+    assert paired.rerun_half_width(xs) == pytest.approx(2 ** 0.5 * 2.776 * (math.pi / 2) ** 0.5 * sd / 5 ** 0.5)
+    assert paired.rerun_half_width(xs[:3]) > paired.rerun_half_width(xs)  # fewer rounds, wider (t at 2 df)
+    assert paired.rerun_half_width([0.05]) == 0.0 and paired.rerun_half_width([0.05] * 4) == 0.0
+    # the bootstrap interval [0.02, 0.10] excludes 0; a rerun could land below it: not resolved
+    d = paired.paired_delta([1 + x for x in xs], [1.0] * 5)
+    assert d.resolved and d.lo == pytest.approx(0.02)
+    r = paired.rerun(d)
+    assert not r.resolved and r.lo == pytest.approx(0.06 - paired.rerun_half_width(xs)) and r.median == d.median
+    assert r.text().endswith("not resolved")
+
+
+def test_rerun_interval_holds_another_runs_median_about_95_percent_of_the_time():
+    """Pairs of synthetic runs of 5 rounds, per-round ratio ~ N(+10%, 10%): the first run's rerun
+    interval holds the second run's median in about 95% of pairs (sqrt(pi/2) overstates a median of
+    5's standard error a little: up to 99% accepted); the percentile bootstrap interval of the
+    median, about [min, max] at 5 rounds, in about 83% (exactly 5/6 for [min, max])."""
+    r = random.Random(3)
+    trials, rerun_hits, boot_hits = 300, 0, 0
+    for t in range(trials):
+        a, b = ([r.gauss(0.10, 0.10) for _ in range(5)] for _ in range(2))
+        d = paired.paired_delta([1 + x for x in a], [1.0] * 5, seed=t)
+        w, other = paired.rerun(d), statistics.median(b)
+        rerun_hits += w.lo <= other <= w.hi
+        boot_hits += d.lo <= other <= d.hi
+    assert 0.92 * trials <= rerun_hits <= 0.99 * trials, rerun_hits
+    assert boot_hits <= 0.88 * trials, boot_hits
+
+
 def test_not_resolved_when_the_ci_spans_zero():
     assert not paired.Delta(0.02, -0.01, 0.05, ()).resolved
     assert not paired.Delta(0.0, 0.0, 0.03, ()).resolved  # touching 0 counts as spanning it
@@ -334,7 +365,9 @@ def test_a_servers_whole_life_offset_enters_the_ci(monkeypatch, tmp_path):
     hw = paired.lifetime_half_width({"fast": fast["ratios"], "slow": res["deltas"]["concurrency 8"]["slow"]["tok_s"]["ratios"]},
                                     res["lifetimes"])  # fast's lifetimes differ by 8%, slow's not: 2 df pooled
     assert hw == pytest.approx(paired.t975(2) * ((2 * (0.0448 ** 2) / 2 / 2) ** 0.5), rel=1e-2)
-    assert fast["lo"] == pytest.approx(fast["median"] - hw) and fast["hi"] == pytest.approx(fast["median"] + hw)
+    wide = 2 ** 0.5 * hw  # a rerun's median carries its own lifetimes' offsets too; wider than the rounds' spread here
+    assert wide > paired.rerun_half_width(fast["ratios"])
+    assert fast["lo"] == pytest.approx(fast["median"] - wide) and fast["hi"] == pytest.approx(fast["median"] + wide)
     assert fast["lo"] < 0.12 and fast["hi"] > 1.12 * 1.08 - 1  # both lifetimes' ratios inside
     quick.run(systems, dataclasses.replace(s, lifetimes=1), tmp_path)
     one = json.loads((tmp_path / "results.json").read_text())["deltas"]["concurrency 8"]["fast"]["tok_s"]
@@ -355,14 +388,14 @@ def test_lifetime_half_width_pools_the_spread_of_lifetime_means_over_systems():
     assert hw == pytest.approx(paired.t975(2) * ((2 * 0.02 ** 2) / 2 / 2) ** 0.5)
     assert paired.lifetime_half_width({"a": [0.1, 0.2, 0.3]}, [0, 0, 0]) is None  # one lifetime: nothing to add
     d = paired.Delta(0.12, 0.11, 0.13, (0.12,))
-    w = paired.widened(d, 0.05)
-    assert paired.widened(d, None) is d and (w.median, w.lo, w.hi) == pytest.approx((0.12, 0.07, 0.17))
-    assert paired.widened(d, 0.001) == d  # never narrower than the rounds' own interval
+    w = paired.rerun(d, 0.05)
+    assert paired.rerun(d, None) == d and (w.median, w.lo, w.hi) == pytest.approx((0.12, 0.12 - 0.05 * 2 ** 0.5, 0.12 + 0.05 * 2 ** 0.5))
+    assert paired.rerun(d, 0.001) == d  # never narrower than the rounds' own interval
     with pytest.raises(ValueError, match="3 rounds, lives has 4"):
         paired.lifetime_half_width({"a": [0.1, 0.2, 0.3]}, lives)
 
 
-def test_widened_interval_covers_the_true_ratio_despite_lifetime_offsets():
+def test_rerun_interval_covers_the_true_ratio_despite_lifetime_offsets():
     """Simulated runs: 5 rounds on 2 lifetimes, every server 3% off for its whole life (upstream's too),
     1% noise per round. Resampling rounds alone covers the true +10% in about 2 of 3 runs; with the
     lifetimes' spread added, in about 19 of 20."""
@@ -378,7 +411,7 @@ def test_widened_interval_covers_the_true_ratio_despite_lifetime_offsets():
             off = [r.gauss(0, 0.03) for _ in range(2)]
             ds[name] = paired.paired_delta([100 * (1 + effect) * (1 + off[l]) * (1 + r.gauss(0, 0.01)) for l in lives],
                                            base, seed=k)
-        w = paired.widened(ds["a"], paired.lifetime_half_width({n: list(d.ratios) for n, d in ds.items()}, lives))
+        w = paired.rerun(ds["a"], paired.lifetime_half_width({n: list(d.ratios) for n, d in ds.items()}, lives))
         plain += ds["a"].lo <= 0.10 <= ds["a"].hi
         wide += w.lo <= 0.10 <= w.hi
     assert plain / runs < 0.75 and wide / runs > 0.88, (plain / runs, wide / runs)

@@ -16,6 +16,21 @@ the pooled degrees of freedom. Measured on the 2-CPU VM (2026-12-01): three runs
 lifetimes each gave RandomSkip deltas of +15.1%, +17.1% and +16.3% whose round-resampled intervals
 ([+13.3, +16.3], ...) did not hold each other's medians; the widened ones, recomputed from the same
 rounds, do. (Three later runs, widened: +13.2%, +21.4%, +11.7%, the middle one outside the others'.)
+
+The quick run (`make demo`) reports a *rerun interval* instead (`rerun`): where another run of the
+same job would put its median, 95% of the time. A user reruns the demo and compares; a confidence
+interval for the true median is the wrong yardstick for that, since the rerun's median carries
+noise of its own (the two differ by sqrt(2) standard errors, so a rerun's median falls outside a
+right 95% CI about 17% of the time), and at 3-6 rounds the percentile bootstrap is no 95% interval
+at all (at 5 rounds it is [min, max], 94% for the true median; at 4, narrower). Half-width
+sqrt(2) * t975(n - 1) * sqrt(pi/2) * s / sqrt(n): s the rounds' standard deviation, sqrt(pi/2) a
+median's standard error over a mean's (normal rounds), Student's t for the few rounds; with
+several lifetimes, sqrt(2) times the lifetime half-width where that is wider. Simulated (3 runs of 5
+rounds, per-round sd 10%, three systems at +20%, +8% and -5%: bench/interval_sim.py): every run's
+percentile intervals held the other two runs' medians in 6% of the triples, rerun intervals in 61%.
+On this VM (2026-12-01) two sets of three runs in a row with percentile intervals (widened for
+lifetimes) missed 4 and 2 of their 18 medians (e.g. trained FlexiDepth +16.8% [+5.5, +19.5] beside
+-1.1% and -0.8%; rate 0 at -11.2% outside another run's [-6.8, +7.8]).
 """
 from __future__ import annotations
 
@@ -24,7 +39,8 @@ import random
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["Delta", "bootstrap_ci", "lifetime_half_width", "paired_delta", "round_orders", "t975", "widened"]
+__all__ = ["Delta", "bootstrap_ci", "lifetime_half_width", "paired_delta", "rerun", "rerun_half_width", "round_orders",
+           "t975"]
 
 
 def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
@@ -123,8 +139,19 @@ def paired_delta(values: list[float], baseline: list[float], seed: int = 0) -> D
     return Delta(statistics.median(ratios), lo, hi, tuple(ratios))
 
 
-def widened(d: Delta, half_width: float | None) -> Delta:
-    """d with its interval widened to hold d.median +- half_width (lifetime_half_width); d if None."""
-    if half_width is None:
-        return d
-    return Delta(d.median, min(d.lo, d.median - half_width), max(d.hi, d.median + half_width), d.ratios)
+def rerun_half_width(ratios: list[float] | tuple[float, ...]) -> float:
+    """How far another run's median of as many rounds may fall from this run's median of `ratios`,
+    95% of the time: sqrt(2) * t975(n - 1) * sqrt(pi / 2) * stdev / sqrt(n) (see the module
+    docstring). 0 for a single round (nothing to say how far a rerun moves: the caller asks for
+    at least 3)."""
+    n = len(ratios)
+    if n < 2:
+        return 0.0
+    return math.sqrt(2) * t975(n - 1) * math.sqrt(math.pi / 2) * statistics.stdev(ratios) / math.sqrt(n)
+
+
+def rerun(d: Delta, lifetime_hw: float | None = None) -> Delta:
+    """d with its interval replaced by where a rerun's median would fall (95%): d.median +-
+    max(rerun_half_width(d.ratios), sqrt(2) * lifetime_hw), never narrower than d's own interval."""
+    hw = max(rerun_half_width(d.ratios), 0.0 if lifetime_hw is None else math.sqrt(2) * lifetime_hw)
+    return Delta(d.median, min(d.lo, d.median - hw), max(d.hi, d.median + hw), d.ratios)

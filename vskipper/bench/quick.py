@@ -16,8 +16,9 @@ quality measured beside speed, in under 10 minutes on 2 CPUs.
    rounds are shared out over `lifetimes` server lifetimes: midway every server is stopped and
    started afresh (then warmed up by one wave of requests at the highest concurrency), because a
    server is a few percent faster or slower for its whole life;
-4. per metric the median of per-round ratios against the upstream run beside it, with a bootstrap
-   95% CI (vskipper.bench.paired), tables, one verdict line and a figure, written to --out.
+4. per metric the median of per-round ratios against the upstream run beside it, with the interval
+   another run's median would fall in, 95% of the time (vskipper.bench.paired.rerun: what a user
+   who reruns the demo can check), tables, one verdict line and a figure, written to --out.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"Settings.{name}={getattr(self, name)} must be >= 1")
         if self.min_rounds < 3:
-            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 (a median and a CI need a few rounds)")
+            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 (a median and its interval need a few rounds)")
         if self.min_rounds < self.lifetimes:
             raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= lifetimes={self.lifetimes} (a round per lifetime)")
         if self.rounds < self.min_rounds:
@@ -284,7 +285,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                     b.total = fit * len(others) * len(metrics_of)
                     log(f"about {fit} rounds of {round_s:.0f} s fit the budget"
                         + (f": {per_life} per server lifetime, {n_lives} lifetimes" if n_lives > 1 else
-                           " with no restart (one server lifetime: the CIs cannot see a server's lifetime offset)"))
+                           " with no restart (one server lifetime: the intervals cannot see a server's lifetime offset)"))
                 b.set_postfix_str(" ".join(f"{n}={rounds[closed[-1]][n][-1]['tok_s']:.0f}" for n in names))
     finally:
         two.shutdown(wait=False, cancel_futures=True)
@@ -316,7 +317,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
               f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {names[0]} beside each other "
               f"system in turn, the two at once, {max(lives) + 1} server lifetime(s), rounds per lifetime "
               f"{[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} "
-              f"[bootstrap 95% CI, widened by the lifetimes' spread]; "
+              f"[95% rerun interval: where another run's median would fall]; "
               f"{wall:.0f} s (servers included)")
     curve = {n: sorted([(_median(rounds[c][n], "tok_s") / s.output_len, _median(rounds[c][n], "e2e_ms") / 1e3)
                         for c in closed] + [(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]) for n in names}

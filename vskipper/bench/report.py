@@ -12,7 +12,7 @@ import re
 import statistics
 from pathlib import Path
 
-from vskipper.bench.paired import Delta, lifetime_half_width, paired_delta, widened
+from vskipper.bench.paired import Delta, lifetime_half_width, paired_delta, rerun
 
 __all__ = ["deltas", "last_integer", "plot", "tables", "verdict"]
 
@@ -47,9 +47,10 @@ def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
 
 def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]], lives: list[int] | None = None,
            beside: dict | None = None) -> dict:
-    """{load: {system: {metric: Delta}}} for every system but the baseline (names[0]). lives[r]: the
-    server lifetime round r ran on; with several, each interval also holds the lifetime offsets'
-    spread (paired.lifetime_half_width, pooled over the systems of that load and metric).
+    """{load: {system: {metric: Delta}}} for every system but the baseline (names[0]), each interval
+    where a rerun's median would fall (paired.rerun). lives[r]: the server lifetime round r ran on;
+    with several, the intervals also hold the lifetime offsets' spread (paired.lifetime_half_width,
+    pooled over the systems of that load and metric).
     beside[load][system]: the baseline's measurements a system is compared with, round by round
     (the quick run's baseline runs beside each system in turn); default rounds[load][names[0]]."""
     base = names[0]
@@ -61,7 +62,7 @@ def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]
             d = {name: paired_delta([r[m] for r in per_sys[name]], [r[m] for r in ref[name]]) for name in names[1:]}
             hw = None if lives is None else lifetime_half_width({n: list(x.ratios) for n, x in d.items()}, lives)
             for name in names[1:]:
-                out[load][name][m] = widened(d[name], hw)
+                out[load][name][m] = rerun(d[name], hw)
     return out
 
 
@@ -78,7 +79,7 @@ def tables(rounds: dict, d: dict, names: list[str], metrics_of: dict[str, tuple[
     parts = []
     for ms, loads in groups.items():
         head = (["load", "system"] + [f"{METRICS[m][0]} (median)" for m in ms]
-                + [f"{METRICS[m][1]} vs {names[0]} [95% CI]" for m in ms] + ["failed"])
+                + [f"{METRICS[m][1]} vs {names[0]} [95% rerun interval]" for m in ms] + ["failed"])
         rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for load in loads:
             for name in names:
@@ -126,7 +127,7 @@ def plot(rounds: dict, d: dict, names: list[str], curve: dict[str, list[tuple[fl
          title: str) -> None:
     """Left: mean e2e latency against load (req/s: achieved for closed loops, offered for the open
     loop), medians over rounds. Right: every round's ratio to the baseline, per metric, with the
-    median and its 95% CI."""
+    median and its 95% rerun interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,7 +154,7 @@ def plot(rounds: dict, d: dict, names: list[str], curve: dict[str, list[tuple[fl
     ax2.axhline(0, color="gray", lw=0.8)
     ax2.set_xticks(range(len(cats)), [f"{METRICS[m][1]}\n{short(load)}" for load, m in cats], fontsize=7)
     ax2.set_ylabel(f"per-round change vs {names[0]} (%)")
-    ax2.set_title("paired rounds: each dot one round; bar = median, 95% CI")
+    ax2.set_title("paired rounds: each dot one round; bar = median, where 95% of reruns' medians fall")
     ax2.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
