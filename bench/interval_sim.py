@@ -5,7 +5,7 @@ holds the other two runs' medians, and resolved deltas agree in sign. This simul
 run draws `--rounds` per-round ratios per system, true effect + a lifetime offset (one per run
 and system, sd `--lifetime-sd`) + round noise (sd `--round-sd`), then scores the percentile
 bootstrap CI of the median (vskipper.bench.paired.paired_delta) and the rerun interval
-(paired.rerun, what the quick run reports). Pure Python, about a minute at the defaults.
+(paired.rerun, what the quick run reports). Pure Python, about 20 s at the defaults.
 
     python bench/interval_sim.py [--rounds 5] [--round-sd 0.10] [--lifetime-sd 0.0] [--trials 300]
 """

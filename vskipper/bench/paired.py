@@ -1,4 +1,4 @@
-"""Paired rounds and what they give: per-round ratios, their median, a bootstrap 95% CI.
+"""Paired rounds and what they give: per-round ratios, their median, a bootstrap 95% CI or a rerun interval.
 
 A round runs every system once on the same requests, in a fresh random order, so a slow spell
 of a shared machine lands on all systems of that round rather than on one system's whole
@@ -26,8 +26,10 @@ at all (at 5 rounds it is [min, max], 94% for the true median; at 4, narrower). 
 sqrt(2) * t975(n - 1) * sqrt(pi/2) * s / sqrt(n): s the rounds' standard deviation, sqrt(pi/2) a
 median's standard error over a mean's (normal rounds), Student's t for the few rounds; with
 several lifetimes, sqrt(2) times the lifetime half-width where that is wider. Simulated (3 runs of 5
-rounds, per-round sd 10%, three systems at +20%, +8% and -5%: bench/interval_sim.py): every run's
-percentile intervals held the other two runs' medians in 6% of the triples, rerun intervals in 61%.
+rounds, per-round sd 10%, three systems at +20%, +8% and -5%: bench/interval_sim.py, 300 triples):
+every run's percentile intervals held the other two runs' medians in 9% of the triples, rerun
+intervals in 53% (36% and 3% with a lifetime offset of sd 4% that one lifetime cannot see); the
+price is resolution: the +20% system is resolved in 52% of runs instead of 90%.
 On this VM (2026-12-01) two sets of three runs in a row with percentile intervals (widened for
 lifetimes) missed 4 and 2 of their 18 medians (e.g. trained FlexiDepth +16.8% [+5.5, +19.5] beside
 -1.1% and -0.8%; rate 0 at -11.2% outside another run's [-6.8, +7.8]).

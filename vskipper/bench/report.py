@@ -154,7 +154,7 @@ def plot(rounds: dict, d: dict, names: list[str], curve: dict[str, list[tuple[fl
     ax2.axhline(0, color="gray", lw=0.8)
     ax2.set_xticks(range(len(cats)), [f"{METRICS[m][1]}\n{short(load)}" for load, m in cats], fontsize=7)
     ax2.set_ylabel(f"per-round change vs {names[0]} (%)")
-    ax2.set_title("paired rounds: each dot one round; bar = median, where 95% of reruns' medians fall")
+    ax2.set_title("paired rounds: a dot per round; bar: median, 95% rerun interval")
     ax2.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
