@@ -75,9 +75,11 @@ class Settings:
     # differ by a few percent for their whole life (2026-12-01, this VM: one rate-0 server measured
     # 1.013 and, restarted, 0.954 of the same upstream server, each within a spread of +-3% over 6
     # rounds); with one lifetime, three runs gave rate-0 deltas of -1.2%, -6.3% and -7.9%, each with a
-    # CI about 2 points wide. Restarting midway puts that spread inside each run's CI and halves its
-    # weight in the median. (Two servers per system at once: 8 SGLang servers took 20 of this VM's
-    # 23 GB and over 2.5 minutes to start.)
+    # CI about 2 points wide. (Two identical upstream servers, restarted twice, later gave medians of
+    # 1.010, 1.029 and 1.003: no offset beyond the rounds' noise; the skippers' servers move more.)
+    # Restarting midway puts that spread inside each run's interval and halves its weight in the
+    # median. (Two servers per system at once: 8 SGLang servers took 20 of this VM's 23 GB and over
+    # 2.5 minutes to start.)
     lifetimes: int = 2
 
     def __post_init__(self) -> None:
