@@ -91,7 +91,7 @@ def main() -> None:
             f.write(json.dumps({"id": f"p{i:03d}", **row}) + "\n")
     r = random.Random(7)
     with open(here / "arithmetic.jsonl", "w") as f:
-        for i in range(200):
+        for i in range(500):  # the first 200 are the set of earlier releases
             q, a = arithmetic(r) if i % 2 else word_problem(r)
             f.write(json.dumps({"id": f"a{i:03d}", "kind": "arithmetic", "prompt": q, "answer": str(a)}) + "\n")
 

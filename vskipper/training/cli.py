@@ -5,7 +5,7 @@ import argparse
 import math
 import sys
 
-from vskipper.training.config import TrainConfig
+from vskipper.training.config import DATA_SETS, TrainConfig
 
 DEFAULTS = TrainConfig(layers=(0,))
 
@@ -15,6 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (checkpoint + skipper/ + state/)")
     p.add_argument("--model-path", help="base model directory (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--layers", help="routed layers, e.g. 15-29 (default: the second half of the model's layers)")
+    p.add_argument("--data", default=",".join(d.data),
+                   help=f"prompt sets to self-distill, comma-separated, from {', '.join(DATA_SETS)} (default %(default)s)")
     p.add_argument("--gate", choices=["soft", "hard"], default=d.gate)
     p.add_argument("--loss", choices=["kl", "lm"], default=d.loss)
     p.add_argument("--penalty", default=str(d.penalty), help=f"skip penalty weight (default {d.penalty})")
@@ -59,7 +61,11 @@ def _config(args: argparse.Namespace, num_layers: int) -> TrainConfig:
     if bad:
         raise ValueError(f"--layers: layer(s) {bad} do not exist in a model with {num_layers} layers "
                          f"(valid: 0..{num_layers - 1})")
-    return TrainConfig(layers=tuple(layers), gate=args.gate, loss=args.loss, penalty=penalty,
+    data = tuple(d.strip() for d in args.data.split(",") if d.strip())
+    bad = [d for d in data if d not in DATA_SETS]
+    if bad or not data:
+        raise ValueError(f"--data={args.data!r}: expected prompt sets among {', '.join(DATA_SETS)}, comma-separated")
+    return TrainConfig(layers=tuple(layers), data=data, gate=args.gate, loss=args.loss, penalty=penalty,
                        penalty_warmup=args.penalty_warmup, target_skip=args.target_skip,
                        target_rate=args.target_rate, init_logit=args.init_logit,
                        straight_through=not args.no_straight_through, init=args.init, topk=args.topk,

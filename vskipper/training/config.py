@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from vskipper.skippers.base import check_layers
 
 LOSSES = ("kl", "lm")
+DATA_SETS = ("prompts", "chat")  # shipped prompt sets with a training split (vskipper/data)
 INITS = ("warm", "random")
 
 
@@ -15,6 +16,9 @@ class TrainConfig:
     """Hyperparameters of `vskipper train` (docs/training.md explains each choice).
 
     layers          routed layer indices
+    data            the shipped prompt sets (vskipper.data.load) whose training split the base model
+                    answers for self-distillation: "prompts" (word problems, reasoning), "chat"
+                    (everyday requests, short facts, arithmetic)
     gate            "soft" (FlexiDepth-Llama: g scales the MLP, 1 - g the adapter) or "hard"
     loss            "kl": KL(base || skipper) over the base's top-k + the rest of the vocabulary;
                     "lm": cross-entropy on the next token of the self-distilled text
@@ -32,6 +36,7 @@ class TrainConfig:
     """
 
     layers: tuple[int, ...]
+    data: tuple[str, ...] = ("prompts",)
     gate: str = "soft"
     loss: str = "kl"
     penalty: float = 0.1
@@ -57,6 +62,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", check_layers("TrainConfig", self.layers))
+        object.__setattr__(self, "data", tuple(self.data))
+        if not self.data or any(d not in DATA_SETS for d in self.data) or len(set(self.data)) != len(self.data):
+            raise ValueError(f"TrainConfig: data={list(self.data)!r} must name distinct prompt sets among "
+                             f"{list(DATA_SETS)}")
         if self.gate not in ("soft", "hard"):
             raise ValueError(f"TrainConfig: gate={self.gate!r} must be 'soft' or 'hard'")
         if self.loss not in LOSSES:
@@ -92,12 +101,13 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layers"] = list(self.layers)
+        d["data"] = list(self.data)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         known = {f.name for f in fields(cls)}
-        return cls(**{k: tuple(v) if k == "layers" else v for k, v in d.items() if k in known})
+        return cls(**{k: tuple(v) if k in ("layers", "data") else v for k, v in d.items() if k in known})
 
     # fields a resumed run may change: they leave what the earlier steps computed as it was
     # (steps reshapes the rest of the cosine schedule, target_skip moves the penalty's goal)

@@ -49,8 +49,12 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     skipper = make_skipper(model.config, cfg)  # ValueError for a layer the model does not have
-    train_set, heldout = split_prompts(load("prompts"))
-    log(f"prompts: {len(train_set)} for training, {len(heldout)} held out (ids with number % 5 == 0)")
+    train_set, heldout = [], []
+    for name in cfg.data:
+        t, h = split_prompts(load(name))
+        train_set, heldout = train_set + t, heldout + h
+    log(f"prompts ({', '.join(cfg.data)}): {len(train_set)} for training, {len(heldout)} held out "
+        f"(ids with number % 5 == 0)")
     cache = cache_root() / "training"
     tag = model_tag(model_dir)
     rows = self_distillation(model, tok, train_set, max_new_tokens, cache, tag, log=log)
