@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     from vskipper.training.cli import add_arguments as add_train_arguments
 
     add_train_arguments(sub.add_parser("train", help="train a FlexiDepth skipper over a frozen base model"))
+    from vskipper.eval.cli import add_arguments as add_eval_arguments
+
+    add_eval_arguments(sub.add_parser("eval", help="quality of a served model: lm-eval tasks, agreement with the base"))
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         cmd = serve_command(args, rest)
@@ -155,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
         from vskipper.training.cli import main as train_main
 
         return train_main(args)
+    if args.command == "eval":
+        from vskipper.eval.cli import main as eval_main
+
+        return eval_main(args)
     try:
         inspect_command(args)
     except ValueError as e:
