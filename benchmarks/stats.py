@@ -12,27 +12,18 @@ one lifetime share that lifetime's offset: a server process is a few percent fas
 another of the same configuration for its whole life. Resampling rounds cannot see that, so the
 interval is widened to hold median +- t * s_L / sqrt(L) as well (`lifetime_half_width`): s_L, the
 spread of per-lifetime mean ratios, pooled over the systems compared, L lifetimes, Student's t at
-the pooled degrees of freedom. Measured on the 2-CPU VM (2026-12-01): three runs with two
-lifetimes each gave RandomSkip deltas of +15.1%, +17.1% and +16.3% whose round-resampled intervals
-([+13.3, +16.3], ...) did not hold each other's medians; the widened ones, recomputed from the same
-rounds, do. (Three later runs, widened: +13.2%, +21.4%, +11.7%, the middle one outside the others'.)
+the pooled degrees of freedom.
 
 The quick run (`make demo`) reports a *rerun interval* instead (`rerun`): where another run of the
 same job would put its median, 95% of the time. A user reruns the demo and compares; a confidence
 interval for the true median is the wrong yardstick for that, since the rerun's median carries
 noise of its own (the two differ by sqrt(2) standard errors, so a rerun's median falls outside a
 right 95% CI about 17% of the time), and at 3-6 rounds the percentile bootstrap is no 95% interval
-at all (at 5 rounds it is [min, max], 94% for the true median; at 4, narrower). Half-width
-sqrt(2) * t975(n - 1) * sqrt(pi/2) * s / sqrt(n): s the rounds' standard deviation, sqrt(pi/2) a
-median's standard error over a mean's (normal rounds), Student's t for the few rounds; with
-several lifetimes, sqrt(2) times the lifetime half-width where that is wider. Simulated (3 runs of 5
-rounds, per-round sd 10%, three systems at +20%, +8% and -5%: bench/interval_sim.py, 300 triples):
-every run's percentile intervals held the other two runs' medians in 9% of the triples, rerun
-intervals in 53% (36% and 3% with a lifetime offset of sd 4% that one lifetime cannot see); the
-price is resolution: the +20% system is resolved in 52% of runs instead of 90%.
-On this VM (2026-12-01) two sets of three runs in a row with percentile intervals (widened for
-lifetimes) missed 4 and 2 of their 18 medians (e.g. trained FlexiDepth +16.8% [+5.5, +19.5] beside
--1.1% and -0.8%; rate 0 at -11.2% outside another run's [-6.8, +7.8]).
+at all (at 5 rounds it is [min, max]). Half-width sqrt(2) * t975(n - 1) * sqrt(pi/2) * s / sqrt(n):
+s the rounds' standard deviation, sqrt(pi/2) a median's standard error over a mean's (normal
+rounds), Student's t for the few rounds; with several lifetimes, sqrt(2) times the lifetime
+half-width where that is wider. The runs and the simulation (benchmarks/interval_sim.py) that chose
+these intervals: benchmarks/README.md, "Measurements behind the settings".
 """
 from __future__ import annotations
 
@@ -42,7 +33,7 @@ import statistics
 from dataclasses import dataclass
 
 __all__ = ["Delta", "bootstrap_ci", "lifetime_half_width", "paired_delta", "rerun", "rerun_half_width", "round_orders",
-           "t975"]
+           "t975", "timed_rounds"]
 
 
 def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
@@ -58,6 +49,19 @@ def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
         r.shuffle(order)
         orders.append(order)
     return orders
+
+
+def timed_rounds(names: list[str], rounds: int, seed: int, step) -> dict[str, list[float]]:
+    """rounds + 1 rounds, each calling step(name) once for every name in a fresh random order
+    (round_orders); step returns what it measured (seconds, a speed). {name: one value per round},
+    round 0 left out: it warms every system up."""
+    values = {n: [] for n in names}
+    for r, order in enumerate(round_orders(names, rounds + 1, seed)):
+        for n in order:
+            v = step(n)
+            if r:
+                values[n].append(v)
+    return values
 
 
 def bootstrap_ci(xs: list[float], level: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -124,6 +128,10 @@ class Delta:
     def text(self) -> str:
         s = f"{self.median:+.1%} [{self.lo:+.1%}, {self.hi:+.1%}]"
         return s if self.resolved else s + " not resolved"
+
+    def ratio_text(self, digits: int = 3) -> str:
+        """As a ratio with its interval: `1.120 [1.080, 1.150]`."""
+        return f"{1 + self.median:.{digits}f} [{1 + self.lo:.{digits}f}, {1 + self.hi:.{digits}f}]"
 
 
 def paired_delta(values: list[float], baseline: list[float], seed: int = 0) -> Delta:

@@ -1,0 +1,1 @@
+"""The benchmarks of vskipper, run from the repository root: `python -m benchmarks.<module>` (benchmarks/README.md)."""
