@@ -20,7 +20,7 @@ $(VENV)/.done: pyproject.toml requirements/*.txt
 venv: $(VENV)/.done
 
 demo: venv
-	$(VENV)/bin/python -m vskipper.demo
+	$(VENV)/bin/python -m benchmarks.demo
 
 test: venv
 	$(VENV)/bin/python -m pytest -q tests

@@ -1,24 +1,15 @@
-"""The serving benchmark's arithmetic, without servers: arrivals, throughput, knee search, table."""
+"""The serving benchmarks' arithmetic, without servers: throughput, knee search, tables, the quick
+run's rounds and report (benchmarks/serving/; its statistics: tests/test_paired.py)."""
 import dataclasses
 import json
 import math
 
 import pytest
 
-from vskipper.bench import serving
-from vskipper.bench.load import Result, poisson_schedule, throughput
-from vskipper.bench.sglang_client import LoadResult
-from vskipper.bench.servers import System
-
-
-def test_poisson_schedule_is_seeded_and_has_the_rate():
-    ps = [f"p{i}" for i in range(7)]
-    a = poisson_schedule(ps, 2.0, 4000, 16, seed=3)
-    assert a == poisson_schedule(ps, 2.0, 4000, 16, seed=3)
-    assert a != poisson_schedule(ps, 2.0, 4000, 16, seed=4)
-    assert sorted(r.prompt for r in a) == sorted(ps[i % 7] for i in range(4000))  # every prompt, cycled
-    assert a[-1].arrival / 4000 == pytest.approx(0.5, rel=0.05)  # mean gap 1 / rate
-    assert all(r.arrival == 0 and r.max_new_tokens == 16 for r in poisson_schedule(ps, math.inf, 5, 16, 0))
+from benchmarks.serving import serving
+from benchmarks.serving.client import LoadResult
+from benchmarks.serving.servers import System
+from benchmarks.serving.serving import Result, throughput
 
 
 def _res(start, end, n=10, ok=True):
@@ -72,18 +63,20 @@ def test_table_has_deltas_against_upstream():
     assert "1.50 ± 0.00" in row and "-25.0%" in row and "+33.3%" in row
 
 
-# --- the quick run (vskipper/bench/quick.py, report.py; its statistics: tests/test_paired.py) ---
+# --- the quick run (benchmarks/serving/quick.py, report.py) ---
 
-from vskipper.bench import paired, quick, report  # noqa: E402
+from benchmarks import stats  # noqa: E402
+from benchmarks.serving import quick, report  # noqa: E402
 
 
 def _delta(m, lo, hi):
-    return paired.Delta(m, lo, hi, (m,))
+    return stats.Delta(m, lo, hi, (m,))
 
 
 def test_verdict_line_names_each_system_rate0_last_and_marks_unresolved():
     names = ["upstream", "vskipper-rate0", "vskipper", "vskipper-trained"]
-    labels = {"vskipper-rate0": "rate 0", "vskipper": "vskipper RandomSkip(0.5)", "vskipper-trained": "trained FlexiDepth"}
+    labels = {"vskipper-rate0": "rate 0", "vskipper": "vskipper RandomSkip(0.5)",
+              "vskipper-trained": "trained FlexiDepth"}
     d = {"concurrency 32": {"vskipper-rate0": {"tok_s": _delta(0.01, -0.02, 0.03)},
                             "vskipper": {"tok_s": _delta(0.12, 0.08, 0.15)},
                             "vskipper-trained": {"tok_s": _delta(0.03, 0.01, 0.06)}},
@@ -103,7 +96,7 @@ def test_prefix_share_counts_tokens_before_the_first_divergence():
     assert report.prefix_share([[1, 2, 3, 4]], [[1, 2]]) == 1.0  # a longer answer: the reference is all reproduced
 
 
-def test_last_integer_reads_the_answer_like_bench_quality():
+def test_last_integer_reads_the_answer_like_quality_hf():
     assert report.last_integer("13 + 72 = 85.") == 85
     assert report.last_integer("It costs 1,250 dollars") == 1250
     assert report.last_integer("no digits") is None
@@ -123,8 +116,8 @@ def test_quick_settings_reject_bad_values_naming_the_field():
         quick.Settings(open_load=0)
     with pytest.raises(ValueError, match="min_rounds=3 must be >= lifetimes=5"):
         quick.Settings(lifetimes=5, rounds=8)
-    with pytest.raises(ValueError, match="questions=500"):
-        quick.question_subset(500)
+    with pytest.raises(ValueError, match=r"questions=100000: the shipped set has \d+"):
+        quick.question_subset(100_000)
 
 
 class FakeClient:
@@ -160,10 +153,10 @@ class FakeClient:
 
 
 def fake_quick(monkeypatch):
-    from vskipper.bench import sglang_client
+    from benchmarks.serving import client
 
     FakeClient.calls, FakeClient.clock, FakeClient.offset = [], [0.0], {}
-    monkeypatch.setattr(sglang_client, "Client", FakeClient)
+    monkeypatch.setattr(client, "Client", FakeClient)
     lives = []
 
     def start_all(systems, *a, **k):  # each call: a new lifetime of every server
@@ -201,18 +194,26 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
     calls = [c for c in FakeClient.calls if c[1][0][0] == "prompt" and c not in warm]  # the measured calls
     assert len(calls) == 5 * 3 * 2 * 2  # rounds x loads x pairs x 2
     measured = {t for kind, t in threads if kind[0] == "prompt" and kind[1] < quick.WARM_UP_SEED}
-    assert len(measured) == 2 and threading.get_ident() not in measured  # two at once (the barrier), off the main thread
-    res_lives = json.loads((tmp_path / "results.json").read_text())["lifetimes"]
+    assert len(measured) == 2 and threading.get_ident() not in measured  # two at once (the barrier), off main
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    res_lives = res["lifetimes"]
     assert res_lives == [0, 0, 1, 1, 1]  # 5 rounds fit: 2 on the first servers, the rest after the restart
     questions = [c for c in FakeClient.calls if c[1][0][0] == "question"]  # every question through every system
-    assert sorted(c[0] for c in questions) == ["fast@0", "slow@0", "upstream@0"] and all(len(c[1]) == 8 for c in questions)
+    assert sorted(c[0] for c in questions) == ["fast@0", "slow@0", "upstream@0"]
+    assert all(len(c[1]) == 8 for c in questions)
+    # the restarted servers get one unmeasured wave at the highest concurrency, after the last round on the
+    # first servers and before their own first measured call
     assert sorted(c[0] for c in warm) == ["fast@1", "slow@1", "upstream@1"] and all(c[2] == 8 for c in warm)
-    assert FakeClient.calls.index(warm[-1]) < FakeClient.calls.index(calls[24])  # a wave, then round 3
-    assert FakeClient.calls.index(warm[0]) > FakeClient.calls.index(calls[23])
-    orders = paired.round_orders(["fast", "slow"], 5, 0)
+    at = FakeClient.calls.index
+    assert max(at(c) for c in calls if c[0].endswith("@0")) < min(map(at, warm))
+    assert max(map(at, warm)) < min(at(c) for c in calls if c[0].endswith("@1"))
+    orders = stats.round_orders(["fast", "slow"], 5, 0)
     assert len({tuple(o) for o in orders}) == 2  # both orders occur
-    for r in range(5):
-        rnd = calls[12 * r: 12 * (r + 1)]
+    by_round = {}  # a round's requests carry its seeds (1000 r + ...)
+    for c in calls:
+        by_round.setdefault(c[1][0][1] // 1000, []).append(c)
+    assert sorted(by_round) == [0, 1, 2, 3, 4]
+    for r, rnd in by_round.items():
         life = res_lives[r]
         pairs = [rnd[i: i + 2] for i in range(0, 12, 2)]
         for k, pair in enumerate(pairs):  # loads 4, 8, open; within each, the round's order
@@ -221,12 +222,12 @@ def test_quick_run_pairs_rounds_same_requests_fresh_orders_and_reports(monkeypat
         for conc in (4, 8):  # every system of the round got the very same requests
             assert len({c[1] for c in rnd if c[2] == conc}) == 1
         opened = rnd[8:]
-        assert len({(c[1], c[3], c[4]) for c in opened}) == 1 and all(c[2] is None and math.isfinite(c[3]) for c in opened)
+        assert len({(c[1], c[3], c[4]) for c in opened}) == 1
+        assert all(c[2] is None and math.isfinite(c[3]) for c in opened)
     assert len({c[1] for c in calls if c[2] == 8}) == 5  # fresh prompts every round
-    rate = calls[8][3]
-    assert rate == pytest.approx(0.75 * 100.0 / 10)  # 0.75 x upstream's round-1 capacity at concurrency 8
+    rates = {c[3] for c in calls if c[2] is None}  # one open-loop rate for the run:
+    assert len(rates) == 1 and rates.pop() == pytest.approx(0.75 * 100.0 / 10)  # 0.75 x round 1's capacity at c=8
 
-    res = json.loads((tmp_path / "results.json").read_text())
     fast = res["deltas"]["concurrency 8"]["fast"]["tok_s"]
     assert fast["median"] == pytest.approx(0.12) and fast["lo"] == pytest.approx(0.12)  # the moods cancel
     q = res["quality"]["slow"]
@@ -246,19 +247,20 @@ def test_a_servers_whole_life_offset_enters_the_ci(monkeypatch, tmp_path):
     FakeClient.offset = {"fast@1": 1.08}
     s = quick.Settings(rounds=6, concurrencies=(8,), open_requests=6, output_len=10, questions=8)
     quick.run(systems, s, tmp_path)
-    res = json.loads((tmp_path / "results.json").read_text())
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
     fast = res["deltas"]["concurrency 8"]["fast"]["tok_s"]
     assert res["lifetimes"] == [0, 0, 0, 1, 1, 1]
     assert fast["median"] == pytest.approx((0.12 + 1.12 * 1.08 - 1) / 2)  # half the rounds on each lifetime
-    hw = paired.lifetime_half_width({"fast": fast["ratios"], "slow": res["deltas"]["concurrency 8"]["slow"]["tok_s"]["ratios"]},
+    slow = res["deltas"]["concurrency 8"]["slow"]["tok_s"]["ratios"]
+    hw = stats.lifetime_half_width({"fast": fast["ratios"], "slow": slow},
                                     res["lifetimes"])  # fast's lifetimes differ by 8%, slow's not: 2 df pooled
-    assert hw == pytest.approx(paired.t975(2) * ((2 * (0.0448 ** 2) / 2 / 2) ** 0.5), rel=1e-2)
+    assert hw == pytest.approx(stats.t975(2) * ((2 * (0.0448 ** 2) / 2 / 2) ** 0.5), rel=1e-2)
     wide = 2 ** 0.5 * hw  # a rerun's median carries its own lifetimes' offsets too; wider than the rounds' spread here
-    assert wide > paired.rerun_half_width(fast["ratios"])
+    assert wide > stats.rerun_half_width(fast["ratios"])
     assert fast["lo"] == pytest.approx(fast["median"] - wide) and fast["hi"] == pytest.approx(fast["median"] + wide)
     assert fast["lo"] < 0.12 and fast["hi"] > 1.12 * 1.08 - 1  # both lifetimes' ratios inside
     quick.run(systems, dataclasses.replace(s, lifetimes=1), tmp_path)
-    one = json.loads((tmp_path / "results.json").read_text())["deltas"]["concurrency 8"]["fast"]["tok_s"]
+    one = json.loads((tmp_path / "results.json").read_text())["results"]["deltas"]["concurrency 8"]["fast"]["tok_s"]
     assert one["lo"] == pytest.approx(0.12) and one["hi"] == pytest.approx(0.12)
 
 
@@ -274,7 +276,7 @@ def test_quick_run_plans_rounds_and_lifetimes_to_the_time_budget_but_not_below_m
                            output_len=10, questions=8)
         FakeClient.clock[0] = 0.0
         quick.run(systems, s, tmp_path, started=0.0)
-        res = json.loads((tmp_path / "results.json").read_text())
+        res = json.loads((tmp_path / "results.json").read_text())["results"]
         assert len(res["rounds"]["concurrency 8"]["fast"]) == len(res["lifetimes"])
         return res["lifetimes"]
 
@@ -303,7 +305,8 @@ def test_quick_run_names_a_server_that_died_mid_run(monkeypatch, tmp_path):
         return real(self, url, rows, *a, **k)
 
     monkeypatch.setattr(FakeClient, "run", run)
-    with pytest.raises(RuntimeError, match=r"server slow exited with -15 in the middle of the run \(see .*server-slow.log\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"server slow exited with -15 in the middle of the run \(see .*server-slow.log\)"):
         quick.run(systems, quick.Settings(questions=8), tmp_path)
 
 
@@ -312,7 +315,7 @@ def test_start_all_interrupted_stops_every_server_it_launched(monkeypatch, tmp_p
     import threading
     import time as _time
 
-    from vskipper.bench import servers
+    from benchmarks.serving import servers
 
     stopped, release = [], threading.Event()
 
@@ -339,7 +342,7 @@ def test_open_loop_arrivals_are_seeded_per_call_poisson_from_zero():
     numpy's global generator between them): same seed, same times; gaps exponential, mean 1 / rate."""
     import numpy as np
 
-    from vskipper.bench.sglang_client import _arrivals
+    from benchmarks.serving.client import _arrivals
 
     a = _arrivals(4000, 5.0, np.random.default_rng(3))
     assert a == _arrivals(4000, 5.0, np.random.default_rng(3)) and a != _arrivals(4000, 5.0, np.random.default_rng(4))
@@ -352,7 +355,7 @@ def test_open_loop_arrivals_are_seeded_per_call_poisson_from_zero():
 def test_unused_model_modules_keeps_every_module_naming_the_architecture(tmp_path):
     """SGLANG_DISABLED_MODEL_ARCHS for a server: SGLang's model modules that never name the
     checkpoint's architecture; none when a name is found nowhere (SGLang then searches as usual)."""
-    from vskipper.bench.servers import unused_model_modules
+    from benchmarks.serving.servers import unused_model_modules
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     unused = unused_model_modules(str(tmp_path))

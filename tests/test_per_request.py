@@ -175,9 +175,9 @@ def test_bad_settings_through_the_engine_name_the_field(tmp_path):
 def test_benchmark_opts_out_every_other_request_on_the_vskipper_server():
     from sglang.benchmark.datasets.common import DatasetRow
 
-    from vskipper.bench.serving import server_of
-    from vskipper.bench.servers import System
-    from vskipper.bench.sglang_client import opt_out
+    from benchmarks.serving.client import opt_out
+    from benchmarks.serving.servers import System
+    from benchmarks.serving.serving import server_of
 
     rows = [DatasetRow(prompt=[1, 2, i], prompt_len=3, output_len=8) for i in range(6)]
     out = opt_out(rows, 0.5)
@@ -220,8 +220,8 @@ def test_http_routes_take_the_field_refuse_bad_values_with_400_and_metrics_split
     import openai
     import requests
 
-    from vskipper.bench.servers import free_port, wait_healthy
-    from vskipper.bench.sglang_client import Client, opt_out
+    from benchmarks.serving.client import Client, opt_out
+    from benchmarks.serving.servers import free_port, wait_healthy
     from vskipper.models.smollm2 import smollm2_dir
 
     port = free_port()

@@ -7,7 +7,7 @@
   answering correctly;
 - security: the HTTP socket is bound to 127.0.0.1 only, and no process of the server listens on
   all interfaces;
-- the soak's (bench/soak.py) request mix and its checks, without a server: each check can fail.
+- the soak's (benchmarks/serving/soak.py) request mix and its checks, without a server: each check can fail.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ import pytest
 import torch
 
 import vskipper
-from vskipper.bench import soak_traffic
-from vskipper.bench.servers import free_port, wait_healthy
-from vskipper.bench.soak import Report, summary
-from vskipper.bench.soak_traffic import Job, Outcome
+from benchmarks.serving import soak_traffic
+from benchmarks.serving.servers import free_port, wait_healthy
+from benchmarks.serving.soak import Report, summary
+from benchmarks.serving.soak_traffic import Job, Outcome
 from vskipper.models.hf_loader import save_checkpoint
 from vskipper.reference import reference_generate
 

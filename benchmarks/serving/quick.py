@@ -4,7 +4,7 @@ quality measured beside speed, in under 10 minutes on 2 CPUs.
 1. start every system's server (in parallel), one CPU thread each (see Settings);
 2. quality, which also warms every server up: a spread of the shipped arithmetic questions,
    greedy, through every server (two at a time): accuracy (the answer's last integer, as
-   bench/quality.py scores it), how often that answer equals upstream's, and greedy agreement
+   benchmarks/quality_hf.py scores it), how often that answer equals upstream's, and greedy agreement
    (the share of upstream's answer tokens a system reproduces before its first divergence);
 3. paired rounds, as many as the time budget allows (at least min_rounds; how many, and over how
    many server lifetimes, is planned from what start-up and round 1 took): each round samples
@@ -17,12 +17,12 @@ quality measured beside speed, in under 10 minutes on 2 CPUs.
    started afresh (then warmed up by one wave of requests at the highest concurrency), because a
    server is a few percent faster or slower for its whole life;
 4. per metric the median of per-round ratios against the upstream run beside it, with the interval
-   another run's median would fall in, 95% of the time (vskipper.bench.paired.rerun: what a user
-   who reruns the demo can check), tables, one verdict line and a figure, written to --out.
+   another run's median would fall in, 95% of the time (benchmarks.stats.rerun: what a user
+   who reruns the demo can check), tables, one verdict line and a figure, written to --out
+   (results.json; the page docs/results/serving-quick.md).
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -32,9 +32,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vskipper.bench import report
-from vskipper.bench.paired import round_orders
-from vskipper.bench.servers import System, memory_gb, start_all, stop, transform_line
+from benchmarks.results import log, write_results
+from benchmarks.serving import report
+from benchmarks.serving.servers import SERVER_THREADS, System, memory_gb, start_all, stop, transform_line
+from benchmarks.stats import round_orders
 
 CLOSED_METRICS = ("tok_s", "tpot_ms")
 OPEN_METRICS = ("e2e_ms", "ttft_ms")
@@ -43,14 +44,14 @@ WARM_UP_SEED = 10**6  # + lifetime: a restarted server's unmeasured first wave (
 
 @dataclass(frozen=True)
 class Settings:
+    """What a quick run does. Why each value is what it is, with the runs that showed it:
+    benchmarks/README.md, "Measurements behind the settings"."""
+
     rounds: int = 12  # at most; fewer when the time budget runs out, never fewer than min_rounds
     min_rounds: int = 3
     budget_s: float = 570.0  # the whole job, from `started` (calibration included): make demo <= 10 min
-    # Closed loop; one wave of `concurrency` requests per call. One concurrency, the headline's: on
-    # this VM (2026-12-01, side by side) a round of concurrency 8 and 32 and 12 open-loop arrivals
-    # took 87-101 s, so a run held 3 rounds, too few for a bootstrap interval to mean 95% (the
-    # percentile interval of a median of 3 is about [min, max]: a 75% interval); concurrency 8's
-    # 4-second waves were also the noisiest (per-round ratios 0.76-1.37 for the same system).
+    # Closed loop, one wave of `concurrency` requests per call. One concurrency, the headline's: a
+    # second one left too few rounds in the budget for an interval worth the name.
     concurrencies: tuple[int, ...] = (32,)
     open_load: float = 0.75  # x upstream's capacity
     open_requests: int = 8
@@ -59,27 +60,13 @@ class Settings:
     answer_tokens: int = 64
     seed: int = 0
     max_total_tokens: int = 8192  # KV pool per server (unset, SGLang sizes it from free RAM); 32 x (70 + 64) fits
-    # One CPU thread per server. Measured on this shared 2-CPU VM (2026-12-01, SmolLM2-135M, 24
-    # output tokens): with torch's default 2 threads a server ran 5-13x slower (4.5-8.6 tok/s at
-    # concurrency 8, 7.6-38 at 32) whenever another process held a core, its OpenMP threads
-    # waiting on each other; with 1 thread it held 43-45 and 92-100 tok/s alongside the same load.
-    server_threads: int = 1
+    server_threads: int = SERVER_THREADS  # (servers.py says why one)
     # Side by side: upstream and the system compared with it run at the same time, each call of the
-    # client in its own thread, the OS giving each server's one thread a CPU of its own. Measured on
-    # this VM (2026-12-01, two upstream servers A and B, c32 waves of 16 tokens, 8 rounds): the
-    # ratio B/A had a spread (sd) of 3.0% side by side against 8.4% one after the other in the same
-    # rounds (a slow spell of this shared machine hits both of a pair), and a pair took 11.5 s
-    # where the two one after the other took 21 s. (Noisier spells gave 7-8% side by side; then
-    # one after the other was worse still.)
-    # Server lifetimes per run, the rounds shared out over them. Two servers of one configuration
-    # differ by a few percent for their whole life (2026-12-01, this VM: one rate-0 server measured
-    # 1.013 and, restarted, 0.954 of the same upstream server, each within a spread of +-3% over 6
-    # rounds); with one lifetime, three runs gave rate-0 deltas of -1.2%, -6.3% and -7.9%, each with a
-    # CI about 2 points wide. (Two identical upstream servers, restarted twice, later gave medians of
-    # 1.010, 1.029 and 1.003: no offset beyond the rounds' noise; the skippers' servers move more.)
-    # Restarting midway puts that spread inside each run's interval and halves its weight in the
-    # median. (Two servers per system at once: 8 SGLang servers took 20 of this VM's 23 GB and over
-    # 2.5 minutes to start.)
+    # client in its own thread, the OS giving each server's one thread a CPU of its own, so a slow
+    # spell of the shared machine hits both of a pair (a ratio's spread: 3% side by side, 8% one
+    # after the other). Server lifetimes per run, the rounds shared out over them: a server is a few
+    # percent faster or slower for its whole life, and restarting midway puts that spread inside
+    # each run's interval.
     lifetimes: int = 2
 
     def __post_init__(self) -> None:
@@ -87,9 +74,11 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"Settings.{name}={getattr(self, name)} must be >= 1")
         if self.min_rounds < 3:
-            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 (a median and its interval need a few rounds)")
+            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 "
+                             f"(a median and its interval need a few rounds)")
         if self.min_rounds < self.lifetimes:
-            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= lifetimes={self.lifetimes} (a round per lifetime)")
+            raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= lifetimes={self.lifetimes} "
+                             f"(a round per lifetime)")
         if self.rounds < self.min_rounds:
             raise ValueError(f"Settings.rounds={self.rounds} must be >= min_rounds={self.min_rounds}")
         if not self.concurrencies or any(c < 1 for c in self.concurrencies):
@@ -100,10 +89,6 @@ class Settings:
             raise ValueError(f"Settings.output_len={self.output_len} must be >= 4 (SGLang's client minimum)")
         if not self.budget_s > 0:
             raise ValueError(f"Settings.budget_s={self.budget_s} must be > 0")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def bar(total: int, desc: str):
@@ -128,13 +113,13 @@ def question_subset(n: int) -> list[dict]:
     return [qs[i * len(qs) // n] for i in range(n)]
 
 
-def run(systems: list[System], s: Settings, out: Path, started: float | None = None) -> str:
+def run(systems: list[System], s: Settings, out: Path, started: float | None = None, docs: Path | None = None) -> str:
     """started: time.perf_counter() when the job began (the demo's calibration counts against
-    s.budget_s); default now."""
+    s.budget_s); default now. docs: where the page serving-quick.md is rendered (None: no page)."""
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
-    from vskipper.bench.sglang_client import Client
+    from benchmarks.serving.client import Client
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
     if len({x.name for x in systems}) != len(systems) or len(systems) < 2:
@@ -166,7 +151,8 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
             code = servers[n].proc.poll()
             if code is None:
                 raise
-            raise RuntimeError(f"server {n} exited with {code} in the middle of the run (see {servers[n].log_path})") from e
+            raise RuntimeError(f"server {n} exited with {code} in the middle of the run "
+                               f"(see {servers[n].log_path})") from e
 
     def side_by_side(a: str, b: str | None, rows, **kw):
         """a and b on the same requests at the same time, two one-thread servers on two CPUs (see
@@ -219,20 +205,23 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                         continue
                     if res.completed != res.requests:
                         bad = next(e for e in res.errors if e)
-                        raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: {bad[-500:]}")
+                        raise RuntimeError(f"quality: {res.requests - res.completed} questions failed on {n}: "
+                                           f"{bad[-500:]}")
                     texts[n] = res.texts
                     b.update(1)
 
     def plan(round_s: float) -> tuple[int, int]:
         """After round 1: (rounds, lifetimes) that fit what is left of the budget. The lifetimes
         are s.lifetimes if that many restarts still leave min_rounds and two rounds per lifetime,
-        else 1 (one round on a lifetime says nothing of its spread: on this VM, 2026-12-01, a run
-        of 1 + 2 rounds got intervals of +-22 points, and its restart took it to 619 s); a restart
-        costs a start-up as measured plus a warm-up (one wave per pair of servers: about the
-        round's share of its highest-concurrency load, times pairs / systems compared)."""
+        else 1 (one round on a lifetime says nothing of its spread); a restart costs a start-up as
+        measured plus a warm-up (one wave per pair of servers: about the round's share of its
+        highest-concurrency load, times pairs / systems compared)."""
         left = deadline - time.perf_counter() - 10  # 10 s: stop the servers, report
         warm = round_s / len(metrics_of) * len(in_twos(names)) / len(others)
-        fit = lambda lives: min(s.rounds, 1 + max(0, int((left - (lives - 1) * (up_s[0] + warm)) // round_s)))  # noqa: E731
+
+        def fit(lives: int) -> int:
+            return min(s.rounds, 1 + max(0, int((left - (lives - 1) * (up_s[0] + warm)) // round_s)))
+
         if s.lifetimes > 1 and fit(s.lifetimes) >= max(s.min_rounds, 2 * s.lifetimes):
             return fit(s.lifetimes), s.lifetimes
         return max(s.min_rounds, fit(1)), 1
@@ -287,7 +276,8 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                     b.total = fit * len(others) * len(metrics_of)
                     log(f"about {fit} rounds of {round_s:.0f} s fit the budget"
                         + (f": {per_life} per server lifetime, {n_lives} lifetimes" if n_lives > 1 else
-                           " with no restart (one server lifetime: the intervals cannot see a server's lifetime offset)"))
+                           " with no restart (one server lifetime: the intervals cannot see a server's "
+                           "lifetime offset)"))
                 b.set_postfix_str(" ".join(f"{n}={rounds[closed[-1]][n][-1]['tok_s']:.0f}" for n in names))
     finally:
         two.shutdown(wait=False, cancel_futures=True)
@@ -307,13 +297,12 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                       "prefix": report.prefix_share([encode(t) for t in texts[n]], base_ids)}
     d = report.deltas(rounds, names, metrics_of, lives, beside)
     labels = {x.name: x.label for x in systems}
-    # The verdict carries the closed-loop headline only: in three runs in a row (2026-12-01) the
-    # open loop's e2e delta for RandomSkip(0.5) came out -4.8% (not resolved), -10.3% and +8.7%
-    # (both resolved): 12 Poisson arrivals per round are too few to trust; it stays in the tables.
+    # The verdict carries the closed-loop headline only: a few Poisson arrivals per round are too few
+    # to trust (benchmarks/README.md, "Measurements behind the settings"); the open loop stays in the tables.
     line = report.verdict(d, quality, names, labels, (closed[-1], "tok_s"), None)
     wall = time.perf_counter() - t_start
-    header = (f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), "
-              f"quick paired run: {len(orders)} rounds, closed loop at concurrency {', '.join(map(str, s.concurrencies))} "
+    header = (f"Quick paired run: {len(orders)} rounds, closed loop at concurrency "
+              f"{', '.join(map(str, s.concurrencies))} "
               f"(one wave each), open loop {s.open_requests} requests at {rate:.2f} req/s "
               f"({s.open_load}x upstream's capacity), {s.output_len} output tokens per request, "
               f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {names[0]} beside each other "
@@ -325,18 +314,18 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
                         for c in closed] + [(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]) for n in names}
     fig = out / "serving-quick.png"
     report.plot(rounds, d, names, curve, fig, f"SGLang vs SGLang + vskipper, {time.strftime('%Y-%m-%d')}, "
-                f"{platform.machine()} {os.cpu_count()} CPUs: {len(orders)} paired rounds, {s.output_len} output tokens, "
+                f"{platform.machine()} {os.cpu_count()} CPUs: {len(orders)} paired rounds, "
+                f"{s.output_len} output tokens, "
                 f"open loop at {rate:.2f} req/s")
     text = (f"{header}\n\n{report.tables(rounds, d, names, metrics_of, failed)}\n\n"
             f"{report.quality_table(quality, names)}\n\n{line}\n")
-    (out / "table.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({
+    write_results("serving-quick", {
         "settings": asdict(s), "systems": [asdict(x) for x in systems], "transforms": transforms,
         "open_rate": rate, "rounds": rounds, "beside": beside,
         "orders": orders, "lifetimes": lives, "failed": failed, "quality": quality, "verdict": line,
         "deltas": {load: {n: {m: asdict(v) for m, v in dm.items()} for n, dm in dl.items()} for load, dl in d.items()},
         "answers": {n: list(t) for n, t in texts.items()}, "start_s": up_s, "warm_up_s": warm_s,
-        "round_s": round_times, "wall_s": wall}, indent=1))
+        "round_s": round_times, "wall_s": wall}, text, out, docs)
     return text + f"plot: {fig}\n"
 
 

@@ -1,4 +1,4 @@
-"""SGLang's own benchmark client (`sglang.benchmark.serving`), called in-process.
+"""The one load client of the benchmarks: SGLang's own (`sglang.benchmark.serving`), called in-process.
 
 SGLang's, unchanged: the requests (its custom-dataset sampler over vskipper's shipped prompts,
 chat template applied, output length pinned), the arrivals (`get_request`: all at once, or
@@ -10,13 +10,15 @@ Ours, and only this: `_drive`, the loop that hands those requests to SGLang's re
 under a concurrency limit. It is the core of SGLang's `benchmark()` (same semaphore, same
 generator, same gather) without what that function adds around it on every call: a warm-up
 request, a fixed 1 s sleep, two /server_info requests, a printed report and an appended result
-file. Measured here at about 1 s per call; a quick run makes ~70 calls, so that would be more than
-a tenth of its 10-minute budget spent idle. Subprocess calls of the CLI cost ~20 s each.
+file, about 1 s per call (a quick run makes ~70 calls; a subprocess call of the CLI costs ~20 s).
 And the open loop's arrival times: SGLang's `get_request` draws each Poisson gap from numpy's
 global generator as it goes, so two calls running at once (the quick run measures two servers
 side by side, each call in its own thread) would take each other's draws. `_arrivals` draws the
 same exponential gaps up front from a generator of the call's own seed, and `_drive` sends each
 request at its time, as `get_request` replays a trace.
+
+The soak (soak_traffic.py) sends its own streaming, non-streaming and disconnecting requests: the
+traffic it checks the server under, not a measurement.
 """
 from __future__ import annotations
 
@@ -147,7 +149,8 @@ class Client:
         with _GLOBAL, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             m, _ = sb.calculate_metrics(rows, outputs, duration, self.tokenizer, "sglang")
         return LoadResult(len(rows), m.completed, duration, m.output_throughput, m.mean_ttft_ms, m.mean_tpot_ms,
-                          m.mean_e2e_latency_ms, tuple(o.generated_text for o in outputs), tuple(o.error for o in outputs),
+                          m.mean_e2e_latency_ms, tuple(o.generated_text for o in outputs),
+                          tuple(o.error for o in outputs),
                           tuple((o.success, o.ttft, o.latency, o.output_len, o.start_time) for o in outputs))
 
     async def _drive(self, url: str, rows: list, concurrency: int | None, at: list[float] | None):

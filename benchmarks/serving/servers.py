@@ -1,5 +1,6 @@
 """Start and stop SGLang servers for benchmarks: upstream (the stock model, nothing transformed)
-or with vskipper (a skipper spec, or a skip-aware checkpoint)."""
+or with vskipper (a skipper spec, or a skip-aware checkpoint); the systems the serving benchmarks
+compare, and the settings every one of their servers shares."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+# One CPU thread per server (OMP_NUM_THREADS), in every serving benchmark: with torch's default of
+# one per core, a server on the shared 2-CPU machine ran 5-13x slower whenever another process held
+# a core, its OpenMP threads waiting on each other (benchmarks/README.md, "Measurements behind the
+# settings").
+SERVER_THREADS = 1
 
 
 def free_port() -> int:
@@ -33,6 +40,33 @@ class System:
     label: str = ""  # how a verdict names it, e.g. "RandomSkip(0.5)"
     opted_out: float = 0.0
     args: tuple[str, ...] = ()  # more `sglang.launch_server` flags, e.g. ("--chunked-prefill-size", "512")
+
+
+def default_systems(model: str | None = None, skipper: str | None = None) -> list[System]:
+    """The systems the serving benchmarks compare: upstream, vskipper at rate 0 (the same engine path
+    with nothing skipped), vskipper with the skipper under test (default RandomSkip 0.5 over the
+    second half of the layers) and, on the bundled SmolLM2-135M with the default skipper, the
+    FlexiDepth skipper shipped for it. ValueError for a bad skipper spec (before any server starts)."""
+    from vskipper.models.checkpoint import read_config
+    from vskipper.skippers import parse_skipper
+
+    trained = None
+    if model is None:
+        from vskipper.models.smollm2 import smollm2_dir
+        from vskipper.skippers.shipped import DEFAULT
+
+        model = str(smollm2_dir())
+        trained = f"flexidepth:name={DEFAULT}"  # trained for exactly this model
+    n = read_config(model)["num_hidden_layers"]
+    layers = f"{n // 2}-{n - 1}"
+    spec = skipper or f"random:rate=0.5,layers={layers},seed=0"
+    label = type(parse_skipper(spec)).__name__ if skipper is not None else "RandomSkip(0.5)"
+    systems = [System("upstream", model, label="upstream"),
+               System("vskipper-rate0", model, f"random:rate=0,layers={layers}", label="rate 0"),
+               System("vskipper", model, spec, label=f"vskipper {label}")]
+    if trained is not None and skipper is None:
+        systems.append(System("vskipper-trained", model, trained, label="trained FlexiDepth"))
+    return systems
 
 
 @dataclass
@@ -65,7 +99,8 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
         env["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(unused)
     env.update(dict(system.env))
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", system.model_path, "--host", "127.0.0.1",
-           "--port", str(port), "--sleep-on-idle", "--max-total-tokens", str(max_total_tokens), "--log-level", log_level]
+           "--port", str(port), "--sleep-on-idle", "--max-total-tokens", str(max_total_tokens),
+           "--log-level", log_level]
     if not torch.cuda.is_available():
         env["SGLANG_PLATFORM"] = "vskipper_cpu"
         cmd += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
@@ -89,10 +124,10 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
 def unused_model_modules(model_path: str) -> list[str]:
     """SGLang's model modules (sglang/srt/models/*.py) whose source names none of the checkpoint's
     architectures, for SGLANG_DISABLED_MODEL_ARCHS: SGLang's own switch for not importing them.
-    Every process of a server imports all ~250 of them at start-up otherwise (measured on the 2-CPU
-    VM, 2026-12-01: 4 s of CPU per process; four servers started at once were up in 103 s instead
-    of 114). Only start-up changes, for every system alike. [] when an architecture is named by no
-    module (then SGLang looks for it everywhere, as usual) or the config cannot be read."""
+    Every process of a server imports all ~250 of them at start-up otherwise (about 4 s of CPU per
+    process on the 2-CPU machine). Only start-up changes, for every system alike. [] when an
+    architecture is named by no module (then SGLang looks for it everywhere, as usual) or the config
+    cannot be read."""
     import importlib.util
 
     try:

@@ -12,9 +12,10 @@ import re
 import statistics
 from pathlib import Path
 
-from vskipper.bench.paired import Delta, lifetime_half_width, paired_delta, rerun
+from benchmarks.results import table
+from benchmarks.stats import Delta, lifetime_half_width, paired_delta, rerun
 
-__all__ = ["deltas", "last_integer", "plot", "tables", "verdict"]
+__all__ = ["deltas", "last_integer", "plot", "prefix_share", "quality_table", "tables", "verdict"]
 
 # metric -> (column title, short name, unit scale, format); every metric's delta is value / baseline - 1:
 # positive is better for tok/s, negative is better for the latencies.
@@ -23,7 +24,7 @@ METRICS = {"tok_s": ("output tok/s", "tok/s", 1.0, "{:.1f}"), "tpot_ms": ("mean 
 
 
 def last_integer(text: str) -> int | None:
-    """The answer a reply gives: its last integer (bench/quality.py scores with it too)."""
+    """The answer a reply gives: its last integer (benchmarks/quality_hf.py scores with it too)."""
     found = re.findall(r"-?\d[\d,]*", text)
     if not found:
         return None
@@ -35,7 +36,7 @@ def last_integer(text: str) -> int | None:
 
 def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
     """Share of the reference tokens reproduced before the first divergence, over all references
-    (the greedy agreement; bench/quality.py uses it too)."""
+    (the greedy agreement; benchmarks/quality_hf.py uses it too)."""
     same = total = 0
     for g, r in zip(gen, ref):
         n = 0
@@ -48,8 +49,8 @@ def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:
 def deltas(rounds: dict, names: list[str], metrics_of: dict[str, tuple[str, ...]], lives: list[int] | None = None,
            beside: dict | None = None) -> dict:
     """{load: {system: {metric: Delta}}} for every system but the baseline (names[0]), each interval
-    where a rerun's median would fall (paired.rerun). lives[r]: the server lifetime round r ran on;
-    with several, the intervals also hold the lifetime offsets' spread (paired.lifetime_half_width,
+    where a rerun's median would fall (stats.rerun). lives[r]: the server lifetime round r ran on;
+    with several, the intervals also hold the lifetime offsets' spread (stats.lifetime_half_width,
     pooled over the systems of that load and metric).
     beside[load][system]: the baseline's measurements a system is compared with, round by round
     (the quick run's baseline runs beside each system in turn); default rounds[load][names[0]]."""
@@ -80,13 +81,13 @@ def tables(rounds: dict, d: dict, names: list[str], metrics_of: dict[str, tuple[
     for ms, loads in groups.items():
         head = (["load", "system"] + [f"{METRICS[m][0]} (median)" for m in ms]
                 + [f"{METRICS[m][1]} vs {names[0]} [95% rerun interval]" for m in ms] + ["failed"])
-        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        rows = []
         for load in loads:
             for name in names:
                 med = [METRICS[m][3].format(_median(rounds[load][name], m) * METRICS[m][2]) for m in ms]
                 dl = ["-"] * len(ms) if name == names[0] else [d[load][name][m].text() for m in ms]
-                rows.append("| " + " | ".join([load, name] + med + dl + [str(failed[load][name])]) + " |")
-        parts.append("\n".join(rows))
+                rows.append([load, name] + med + dl + [failed[load][name]])
+        parts.append(table(head, rows))
     return "\n\n".join(parts)
 
 
@@ -97,13 +98,11 @@ def short(load: str) -> str:
 
 def quality_table(quality: dict, names: list[str]) -> str:
     base = names[0]
-    rows = [f"| system | arithmetic accuracy | same answer as {base} | greedy agreement with {base} (tokens) |",
-            "|---|---|---|---|"]
-    for name in names:
-        q = quality[name]
-        rows.append(f"| {name} | {q['accuracy']:.1%} ({q['correct']}/{q['questions']}) | "
-                    f"{q['agreement']:.1%} ({q['same']}/{q['questions']}) | {q['prefix']:.1%} |")
-    return "\n".join(rows)
+    rows = [[name, f"{q['accuracy']:.1%} ({q['correct']}/{q['questions']})",
+             f"{q['agreement']:.1%} ({q['same']}/{q['questions']})", f"{q['prefix']:.1%}"]
+            for name, q in ((n, quality[n]) for n in names)]
+    return table(["system", "arithmetic accuracy", f"same answer as {base}",
+                  f"greedy agreement with {base} (tokens)"], rows)
 
 
 def verdict(d: dict, quality: dict, names: list[str], labels: dict[str, str], headline: tuple[str, str],
@@ -149,7 +148,8 @@ def plot(rounds: dict, d: dict, names: list[str], curve: dict[str, list[tuple[fl
             x = i + (k - (len(names) - 2) / 2) * width
             ax2.scatter([x] * len(delta.ratios), [100 * r for r in delta.ratios], s=12, alpha=0.6,
                         color=f"C{k + 1}", label=name if i == 0 else None)
-            ax2.errorbar([x], [100 * delta.median], yerr=[[100 * (delta.median - delta.lo)], [100 * (delta.hi - delta.median)]],
+            ax2.errorbar([x], [100 * delta.median],
+                         yerr=[[100 * (delta.median - delta.lo)], [100 * (delta.hi - delta.median)]],
                          fmt="_", markersize=14, capsize=4, color=f"C{k + 1}")
     ax2.axhline(0, color="gray", lw=0.8)
     ax2.set_xticks(range(len(cats)), [f"{METRICS[m][1]}\n{short(load)}" for load, m in cats], fontsize=7)

@@ -1,35 +1,35 @@
 """The side-by-side serving benchmark: upstream SGLang vs SGLang + vskipper, same requests.
 
-The full run (`python bench/serve.py`; the quick paired run behind `--quick` is vskipper/bench/quick.py):
+The full run (`python -m benchmarks.serving.serving`; the quick paired run behind `--quick` is
+benchmarks/serving/quick.py):
 
 1. start the servers (upstream: the stock model; vskipper at rate 0: the same engine path with
    nothing skipped, so engine-level gains and skipping gains are reported apart; vskipper: the
    skipper under test; on the bundled SmolLM2-135M also vskipper-trained, the FlexiDepth skipper
    shipped for it; vskipper-half-opted-out: the skipper under test, every other request sent with
-   {"vskipper": {"skip": false}}, so mixed batches of skipping and base-model requests), all with --sleep-on-idle so idle ones stay off the CPU, one CPU thread each
-   (see quick.Settings); requests are generated, sent and timed by SGLang's own benchmark client
-   (vskipper/bench/sglang_client.py);
+   {"vskipper": {"skip": false}}, so mixed batches of skipping and base-model requests), all with
+   --sleep-on-idle so idle ones stay off the CPU, one CPU thread each (servers.SERVER_THREADS);
+   requests are generated, sent and timed by SGLang's own benchmark client (client.py);
 2. find the knee of upstream's load curve: the last offered rate whose output throughput still
    grows by >= 1% (rates are fractions of upstream's saturated capacity);
 3. run every system at 0.75x, 1x, 1.25x the knee and at saturation, with the same prompts, the same
    seeded Poisson arrivals and pinned output lengths (ignore_eos), interleaved, `repeats` times;
 4. print a markdown table (means with 95% confidence intervals, deltas against upstream), write
-   it with the raw results (JSON) and a plot of latency against load (PNG) to --out.
+   it with the raw results (results.json) and a plot of latency against load (PNG) to --out, and
+   the page docs/results/serving.md.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vskipper.bench.load import Result, throughput
-from vskipper.bench.servers import System, start_all, stop
+from benchmarks import results as R
+from benchmarks.results import log
+from benchmarks.serving.servers import SERVER_THREADS, System, default_systems, start_all, stop
 
 KNEE_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5)
 LOADS = (0.75, 1.0, 1.25, math.inf)  # multiples of the knee; inf = saturation
@@ -45,8 +45,27 @@ class Settings:
     max_total_tokens: int = 16384  # KV pool per server: 48 x (70 + 64) tokens fit; four servers fit in 24 GiB
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+@dataclass(frozen=True)
+class Result:
+    """One request of the full run, from SGLang's client's per-request record."""
+
+    ok: bool
+    ttft: float  # s
+    tpot: float  # s per output token after the first
+    e2e: float  # s
+    output_tokens: int
+    start: float
+    end: float
+    error: str = ""
+
+
+def throughput(results: list[Result]) -> float:
+    """Output tokens per second over the span of the run."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return 0.0
+    span = max(r.end for r in ok) - min(r.start for r in results)
+    return sum(r.output_tokens for r in ok) / span
 
 
 def mean_ci(xs: list[float]) -> tuple[float, float]:
@@ -59,10 +78,10 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
 
 def run_load(client, url: str, rate: float, n: int, max_new_tokens: int, seed: int,
              opted_out: float = 0.0) -> list[Result]:
-    """n shipped prompts (seeded), sent by SGLang's own benchmark client (vskipper/bench/sglang_client.py)
+    """n shipped prompts (seeded), sent by SGLang's own benchmark client (client.py)
     with seeded Poisson arrivals at `rate` req/s (inf: all at once), as per-request Results; the share
     `opted_out` of them with {"vskipper": {"skip": false}}."""
-    from vskipper.bench.sglang_client import opt_out
+    from benchmarks.serving.client import opt_out
 
     rows = client.prompt_rows(n, max_new_tokens, seed)
     res = client.run(url, opt_out(rows, opted_out) if opted_out else rows, concurrency=None, rate=rate, seed=seed)
@@ -89,9 +108,7 @@ def find_knee(client, server, s: Settings) -> tuple[float, list[tuple[float, flo
 
 
 def summarize(results: dict, systems: list[System], loads: list[tuple[str, float]]) -> str:
-    head = ("| load | system | e2e latency s (95% CI) | TTFT s | TPOT ms | output tok/s | failed | "
-            "e2e vs upstream | tok/s vs upstream |")
-    rows = [head, "|---" * (head.count("|") - 1) + "|"]
+    rows = []
     for label, _ in loads:
         base = None
         for sysm in systems:
@@ -107,9 +124,10 @@ def summarize(results: dict, systems: list[System], loads: list[tuple[str, float
                 d1 = d2 = "-"
             else:
                 d1, d2 = f"{e2e / base[0] - 1:+.1%}", f"{tp / base[1] - 1:+.1%}"
-            rows.append(f"| {label} | {sysm.name} | {e2e:.2f} ± {ci:.2f} | {ttft:.2f} | {tpot:.0f} | {tp:.1f} | "
-                        f"{failed} | {d1} | {d2} |")
-    return "\n".join(rows)
+            rows.append([label, sysm.name, f"{e2e:.2f} ± {ci:.2f}", f"{ttft:.2f}", f"{tpot:.0f}", f"{tp:.1f}", failed,
+                         d1, d2])
+    return R.table(["load", "system", "e2e latency s (95% CI)", "TTFT s", "TPOT ms", "output tok/s", "failed",
+                    "e2e vs upstream", "tok/s vs upstream"], rows)
 
 
 def plot(results: dict, systems: list[System], loads: list[tuple[str, float]], path: Path) -> None:
@@ -122,7 +140,8 @@ def plot(results: dict, systems: list[System], loads: list[tuple[str, float]], p
     xs = [r if math.isfinite(r) else max(finite) * 1.5 for _, r in loads]
     fig, ax = plt.subplots(figsize=(6, 4))
     for sysm in systems:
-        ms, cis = zip(*[mean_ci([x.e2e for run in results[label][sysm.name] for x in run if x.ok]) for label, _ in loads])
+        ms, cis = zip(*[mean_ci([x.e2e for run in results[label][sysm.name] for x in run if x.ok])
+                        for label, _ in loads])
         ax.errorbar(xs, ms, yerr=cis, marker="o", capsize=3, label=sysm.name)
     ax.set_xticks(xs, [label.replace(" (", "\n(") for label, _ in loads], fontsize=8)
     ax.set_xlabel("offered load (req/s)")
@@ -140,11 +159,11 @@ def server_of(systems: list[System]) -> dict[str, str]:
     return {x.name: next((y.name for y in systems if not y.opted_out and key(y) == key(x)), x.name) for x in systems}
 
 
-def run(systems: list[System], s: Settings, out: Path) -> str:
+def run(systems: list[System], s: Settings, out: Path, docs: Path | None = None) -> str:
+    """docs: where the page serving.md is rendered (None: no page)."""
     import signal
 
-    from vskipper.bench.quick import Settings as QuickSettings
-    from vskipper.bench.sglang_client import Client
+    from benchmarks.serving.client import Client
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +173,7 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
         log("starting " + ", ".join(f"{x.name} ({x.skipper or 'no skipper'})" for x in systems))
         served = server_of(systems)
         servers = start_all([x for x in systems if served[x.name] == x.name], out, s.max_total_tokens,
-                            threads=QuickSettings().server_threads)  # why 1: there
+                            threads=SERVER_THREADS)
         for srv in servers.values():
             run_load(client, srv.url, math.inf, 4, 8, 0)  # warm up
         knee, curve = find_knee(client, servers[systems[0].name], s)
@@ -173,50 +192,20 @@ def run(systems: list[System], s: Settings, out: Path) -> str:
     finally:
         for srv in servers.values():
             stop(srv)
-    table = summarize(results, systems, loads)
-    header = (f"{time.strftime('%Y-%m-%d')}, {platform.node()} ({platform.machine()}, "
-              f"{__import__('os').cpu_count()} CPUs), {s.requests} requests x {s.repeats} repeats, "
-              f"{s.max_new_tokens} output tokens each, knee {knee:.2f} req/s")
+    header = (f"{s.requests} requests x {s.repeats} repeats, {s.max_new_tokens} output tokens each, "
+              f"{SERVER_THREADS} CPU thread(s) per server, knee {knee:.2f} req/s")
     plot(results, systems, loads, out / "latency_vs_load.png")
-    (out / "results.json").write_text(json.dumps({
+    text = f"{header}\n\n{summarize(results, systems, loads)}\n"
+    R.write_results("serving", {
         "settings": asdict(s), "systems": [asdict(x) for x in systems], "knee": knee, "knee_curve": curve,
-        "results": {label: {name: [[asdict(r) for r in run] for run in runs] for name, runs in d.items()}
-                    for label, d in results.items()}}, indent=1))
-    text = f"{header}\n\n{table}\n"
-    (out / "table.md").write_text(text)
+        "loads": {label: {name: [[asdict(r) for r in run] for run in runs] for name, runs in d.items()}
+                  for label, d in results.items()}}, text, out, docs)
     return text
-
-
-def default_systems(model: str | None = None, skipper: str | None = None) -> list[System]:
-    """The systems the serving benchmarks compare: upstream, vskipper at rate 0 (the same engine path
-    with nothing skipped), vskipper with the skipper under test (default RandomSkip 0.5 over the
-    second half of the layers) and, on the bundled SmolLM2-135M with the default skipper, the
-    FlexiDepth skipper shipped for it. ValueError for a bad skipper spec (before any server starts)."""
-    from vskipper.models.checkpoint import read_config
-    from vskipper.skippers import parse_skipper
-
-    trained = None
-    if model is None:
-        from vskipper.models.smollm2 import smollm2_dir
-        from vskipper.skippers.shipped import DEFAULT
-
-        model = str(smollm2_dir())
-        trained = f"flexidepth:name={DEFAULT}"  # trained for exactly this model
-    n = read_config(model)["num_hidden_layers"]
-    layers = f"{n // 2}-{n - 1}"
-    spec = skipper or f"random:rate=0.5,layers={layers},seed=0"
-    label = type(parse_skipper(spec)).__name__ if skipper is not None else "RandomSkip(0.5)"
-    systems = [System("upstream", model, label="upstream"),
-               System("vskipper-rate0", model, f"random:rate=0,layers={layers}", label="rate 0"),
-               System("vskipper", model, spec, label=f"vskipper {label}")]
-    if trained is not None and skipper is None:
-        systems.append(System("vskipper-trained", model, trained, label="trained FlexiDepth"))
-    return systems
 
 
 def main(argv=None, started: float | None = None) -> None:
     """started: time.perf_counter() when the job began (the quick run's time budget counts from it)."""
-    ap = argparse.ArgumentParser(prog="vskipper bench serve", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving.serving", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct, which also "
                                          "runs its shipped trained skipper as vskipper-trained)")
@@ -224,7 +213,7 @@ def main(argv=None, started: float | None = None) -> None:
                     help="skipper spec under test (default: random:rate=0.5 over the second half of the layers)")
     ap.add_argument("--quick", action="store_true",
                     help="the main job: paired rounds through SGLang's own client plus quality, under 10 minutes "
-                         "on 2 CPUs (vskipper/bench/quick.py); without it, the full run with the knee search")
+                         "on 2 CPUs (quick.py); without it, the full run with the knee search")
     ap.add_argument("--rounds", type=int, help="quick run: at most this many paired rounds (default 12; fewer if the "
                                                "time budget runs out, never fewer than 3)")
     ap.add_argument("--budget", type=float, help="quick run: seconds for the whole job (default 570)")
@@ -233,7 +222,7 @@ def main(argv=None, started: float | None = None) -> None:
                     help="output tokens per request (default: 64 in the full run, 16 in the quick one)")
     ap.add_argument("--repeats", type=int, default=3, help="full run: interleaved repeats per load")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="output directory (default out/bench-serve or out/bench-serve-quick)")
+    R.add_arguments(ap, None)
     args = ap.parse_args(argv)
     try:
         systems = default_systems(args.model_path, args.skipper)
@@ -241,22 +230,23 @@ def main(argv=None, started: float | None = None) -> None:
         ap.error(str(e))
     model, spec, label = systems[0].model_path, systems[2].skipper, systems[2].label.removeprefix("vskipper ")
     if args.quick:
-        from vskipper.bench import quick
+        from benchmarks.serving import quick
 
         try:
             qs = quick.Settings(**{k: v for k, v in (("rounds", args.rounds), ("output_len", args.max_new_tokens),
                                                      ("budget_s", args.budget)) if v is not None}, seed=args.seed)
         except ValueError as e:
             ap.error(str(e))
-        text = quick.run(systems, qs, Path(args.out or "out/bench-serve-quick"), started=started)
+        text = quick.run(systems, qs, args.out or Path("out/serving-quick"), started=started, docs=R.docs_dir(args))
         print(text)
         return
     # the same server as "vskipper", half of its requests opting out of skipping (per-request control)
-    systems.append(System("vskipper-half-opted-out", model, spec, label=f"vskipper {label}, half the requests opted out",
+    systems.append(System("vskipper-half-opted-out", model, spec,
+                          label=f"vskipper {label}, half the requests opted out",
                           opted_out=0.5))
-    out = Path(args.out or "out/bench-serve")
+    out = args.out or Path("out/serving")
     settings = Settings(args.requests, args.max_new_tokens or 64, args.repeats, args.seed, KNEE_FRACTIONS)
-    text = run(systems, settings, out)
+    text = run(systems, settings, out, R.docs_dir(args))
     print(text)
     print(f"plot: {out / 'latency_vs_load.png'}")
 

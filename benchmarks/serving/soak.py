@@ -4,7 +4,8 @@
    otherwise; on CPU through the vskipper_cpu platform);
 2. choose the offered rate: `--rate` (req/s), else 2x the knee of a serving-benchmark
    results.json (`--knee-from`; the knee is converted through output tokens, since its requests
-   were shorter), else 2x the capacity measured by a short saturation probe (load.py);
+   were shorter), else 2x the capacity measured by a short saturation probe (SGLang's client,
+   client.py);
 3. warm up (the probe above, plus a burst with long prompts), then take the server's RSS (its
    whole process tree) as the baseline, and the probe set's greedy answers on the idle server,
    one request at a time, after flushing the radix cache;
@@ -17,7 +18,8 @@
    RSS stays within 10% of the baseline; the idle probe answers after the load equal those
    before it; the server is still healthy. Probes answered during the load are compared too and
    their agreement rate printed (not a pass condition: see docs/reliability.md).
-Exit code 0 when every check passes, 1 otherwise.
+Exit code 0 when every check passes, 1 otherwise. The summary and every request's outcome go to
+--out (results.json), the summary also to the page docs/results/soak.md.
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -33,11 +34,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vskipper.bench.load import poisson_schedule, run_load, throughput
-from vskipper.bench.servers import Server, System, start, stop
-from vskipper.bench.soak_traffic import (PROBE_NEW, Job, Outcome, RssSampler, idle_answers, log, long_prompt,
-                                         mean_new_tokens, mixed_jobs, probe_jobs, probe_set, run_jobs,
-                                         shipped_prompts, tree_rss)
+from benchmarks import results as R
+from benchmarks.results import log
+from benchmarks.serving.servers import Server, System, start, stop
+from benchmarks.serving.soak_traffic import (PROBE_NEW, Job, Outcome, RssSampler, idle_answers, long_prompt,
+                                             mean_new_tokens, mixed_jobs, probe_jobs, probe_set, run_jobs,
+                                             shipped_prompts, tree_rss)
 
 DEFAULT_SKIPPER = "random:rate=0.5,layers=15-29,seed=0"
 RSS_TOLERANCE = 0.10
@@ -63,19 +65,21 @@ class Report:
     healthy_after: bool = False
 
 
-def choose_rate(args, url: str | None, prompts: list[str]) -> tuple[float, str]:
+def choose_rate(args, url: str | None, client) -> tuple[float, str]:
+    """The offered rate and where it came from: --rate, 2x the knee of --knee-from (the full serving
+    benchmark's results.json), else 2x the capacity a saturation probe through `client` measures."""
     if args.rate:
         return args.rate, "--rate"
     if args.knee_from:
-        d = json.loads(Path(args.knee_from).read_text())
+        d = json.loads(Path(args.knee_from).read_text())["results"]
         knee, n = float(d["knee"]), int(d["settings"]["max_new_tokens"])
         rate = 2 * knee * n / mean_new_tokens()
         return rate, (f"2x the knee of {args.knee_from} ({knee:.2f} req/s of {n} output tokens = "
                       f"{knee * n:.1f} tok/s)")
-    sat = run_load(url, poisson_schedule(prompts, math.inf, SAT_REQUESTS, SAT_NEW, args.seed))
-    tp = throughput(sat)
-    if tp <= 0:
-        raise RuntimeError(f"saturation probe failed: {[r.error for r in sat if not r.ok][:3]}")
+    sat = client.run(url, client.prompt_rows(SAT_REQUESTS, SAT_NEW, args.seed), concurrency=None)
+    tp = sat.output_throughput
+    if sat.completed < sat.requests or tp <= 0:
+        raise RuntimeError(f"saturation probe failed: {[e for e in sat.errors if e][:3]}")
     return 2 * tp / mean_new_tokens(), (f"2x the capacity from a saturation probe ({SAT_REQUESTS} requests x "
                                         f"{SAT_NEW} tokens: {tp:.1f} tok/s)")
 
@@ -95,12 +99,14 @@ def soak(args) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     loadavg = os.getloadavg()
     if not args.rate and args.knee_from:
-        choose_rate(args, None, prompts)  # a bad results.json fails before the server starts
+        choose_rate(args, None, None)  # a bad results.json fails before the server starts
     log(f"starting SGLang + vskipper ({args.skipper}) on {model}")
     env = (("OMP_NUM_THREADS", str(args.threads)),) if args.threads else ()
     server: Server = start(System("soak", model, args.skipper, env), out)
     try:
-        rate, source = choose_rate(args, server.url, prompts)
+        from benchmarks.serving.client import Client
+
+        rate, source = choose_rate(args, server.url, None if args.rate or args.knee_from else Client(model, out))
         log(f"offered rate {rate:.2f} req/s: {source}")
         r = random.Random(args.seed + 7)  # warm-up: long prompts at once, so the big prefill batches run first
         warm = [Job(0.0, long_prompt(r, prompts), 4, "full") for _ in range(8)]
@@ -175,7 +181,8 @@ def checks(rep: Report) -> tuple[list[tuple[str, bool, str]], dict]:
                  answered=answered, same=same, diverge=diverge)
     out = [
         ("no request failed", count["failed"] == 0, f"{count['failed']} failed"),
-        ("every completed request has its requested token count", not wrong, f"{len(wrong)} of {len(completed)} differ"),
+        ("every completed request has its requested token count", not wrong,
+         f"{len(wrong)} of {len(completed)} differ"),
         (f"server RSS within {RSS_TOLERANCE:.0%} of the warm baseline", growth <= RSS_TOLERANCE, f"peak {growth:+.1%}"),
         ("idle probe answers after the load equal those before", rep.idle_after == rep.idle_before,
          f"{sum(a == b for a, b in zip(rep.idle_after, rep.idle_before))}/{len(rep.idle_before)} equal"),
@@ -185,7 +192,8 @@ def checks(rep: Report) -> tuple[list[tuple[str, bool, str]], dict]:
 
 
 def peak_in_flight(outcomes: list[Outcome]) -> int:
-    events = sorted([(o.span[0], 1) for o in outcomes] + [(o.span[1], -1) for o in outcomes], key=lambda e: (e[0], e[1]))
+    events = sorted([(o.span[0], 1) for o in outcomes] + [(o.span[1], -1) for o in outcomes],
+                    key=lambda e: (e[0], e[1]))
     n = peak = 0
     for _, d in events:
         n += d
@@ -202,41 +210,37 @@ def summary(rep: Report) -> tuple[str, bool]:
     tokens = sum(o.tokens for o in rep.outcomes)  # completed, cancelled (partial) and probes
     cpus = os.cpu_count()
     busy = rep.loadavg_start[0] > 0.5 * (cpus or 1)
+    kinds = [[("non-streaming" if kind == "full" else kind), sum(o.job.kind == kind for o in load),
+              by(kind, "completed"), by(kind, "cancelled"), by(kind, "failed")]
+             for kind in ("stream", "full", "disconnect")]
+    kinds.append([f"probes (greedy, {PROBE_NEW} tokens)", len(f["probes"]),
+                  sum(o.status == "completed" for o in f["probes"]), 0, sum(o.status == "failed" for o in f["probes"])])
+    kinds.append(["**all**", len(rep.outcomes), count["completed"], count["cancelled"], count["failed"]])
+    ttft, e2e = [o.ttft for o in done], [o.e2e for o in done]
     lines = [
         f"## Soak: SGLang + vskipper, {rep.duration:.0f} s of load at {rep.rate:.2f} req/s",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({platform.machine()}, {cpus} CPUs, no GPU)"
-        if not _cuda() else f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()} ({_cuda()})",
-        f"load average at start {rep.loadavg_start[0]:.2f}" + (" (more than half the CPUs busy at the start)" if busy else ""),
+        f"load average at start {rep.loadavg_start[0]:.2f}"
+        + (" (more than half the CPUs busy at the start)" if busy else ""),
         f"model {Path(rep.model).name}, skipper `{rep.skipper}`"
         + (f", server OMP_NUM_THREADS={rep.threads}" if rep.threads else "") + f"; rate: {rep.rate_source}",
         "",
-        "| requests | sent | completed | cancelled (client left mid-stream) | failed |",
-        "|---|---|---|---|---|",
-    ]
-    for kind in ("stream", "full", "disconnect"):
-        lines.append(f"| {'non-streaming' if kind == 'full' else kind} | {sum(o.job.kind == kind for o in load)} | "
-                     f"{by(kind, 'completed')} | {by(kind, 'cancelled')} | {by(kind, 'failed')} |")
-    lines.append(f"| probes (greedy, {PROBE_NEW} tokens) | {len(f['probes'])} | "
-                 f"{sum(o.status == 'completed' for o in f['probes'])} | 0 | {sum(o.status == 'failed' for o in f['probes'])} |")
-    lines.append(f"| **all** | {len(rep.outcomes)} | {count['completed']} | {count['cancelled']} | {count['failed']} |")
-    ttft, e2e = [o.ttft for o in done], [o.e2e for o in done]
-    lines += [
+        R.table(["requests", "sent", "completed", "cancelled (client left mid-stream)", "failed"], kinds),
         "",
         f"served {tokens / rep.wall:.1f} output tok/s over {rep.wall:.0f} s (offered "
         f"{rep.rate * mean_new_tokens():.1f} tok/s during {rep.duration:.0f} s); up to "
         f"{peak_in_flight(rep.outcomes)} requests in flight; "
-        f"TTFT p50 {pct(ttft, 50):.1f} s, p99 {pct(ttft, 99):.1f} s; e2e p50 {pct(e2e, 50):.1f} s, p99 {pct(e2e, 99):.1f} s",
+        f"TTFT p50 {pct(ttft, 50):.1f} s, p99 {pct(ttft, 99):.1f} s; "
+        f"e2e p50 {pct(e2e, 50):.1f} s, p99 {pct(e2e, 99):.1f} s",
         f"server RSS (process tree): warm {rep.rss_baseline / 2**20:.0f} MiB, peak {f['peak'] / 2**20:.0f} MiB "
         f"({f['growth']:+.1%}), last {rep.rss_samples[-1][1] / 2**20 if rep.rss_samples else 0:.0f} MiB",
         f"probes during the load equal to the idle server's answers: {len(f['same'])}/{len(f['answered'])} "
         f"({len(f['same']) / max(1, len(f['answered'])):.0%})"
         + (f"; the others first differ at token {sorted(f['diverge'])}" if f["diverge"] else ""),
         "",
-        "| check | result | |",
-        "|---|---|---|",
+        R.table(["check", "result", ""], [[name, "pass" if passed else "**FAIL**", detail]
+                                          for name, passed, detail in result]),
     ]
-    lines += [f"| {name} | {'pass' if passed else '**FAIL**'} | {detail} |" for name, passed, detail in result]
     errors = sorted({o.error for o in rep.outcomes if o.status == "failed"})
     if errors:
         lines += ["", "failures (distinct errors):"] + [f"- {e[:300]}" for e in errors[:10]]
@@ -244,19 +248,13 @@ def summary(rep: Report) -> tuple[str, bool]:
     return "\n".join(lines) + "\n", ok
 
 
-def _cuda() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-
-
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="base model (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--skipper", default=DEFAULT_SKIPPER, help=f"skipper spec (default {DEFAULT_SKIPPER})")
     ap.add_argument("--rate", type=float, help="offered load in req/s (default: 2x the knee or 2x measured capacity)")
-    ap.add_argument("--knee-from", help="results.json of the serving benchmark: offer 2x its knee")
+    ap.add_argument("--knee-from", help="results.json of the full serving benchmark: offer 2x its knee")
     ap.add_argument("--duration", type=float, default=600, help="seconds of offered load (default 600)")
     ap.add_argument("--quick", action="store_true", help="2 minutes of load instead of 10")
     ap.add_argument("--probe-every", type=float, help="seconds between probe rounds (default duration / 4)")
@@ -266,7 +264,7 @@ def main(argv=None) -> None:
                     help="OMP_NUM_THREADS for the server (default: torch's own choice; on a CPU shared with other "
                          "busy processes, give the number of free cores)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="out/soak", help="server log, summary.md and outcomes.json go here")
+    R.add_arguments(ap, "soak")
     args = ap.parse_args(argv)
     if args.quick:
         args.duration = 120
@@ -286,13 +284,12 @@ def main(argv=None) -> None:
         ap.error(str(e))
     rep = soak(args)
     text, ok = summary(rep)
-    out = Path(args.out)
-    (out / "summary.md").write_text(text)
-    (out / "outcomes.json").write_text(json.dumps({
-        "rate": rep.rate, "rate_source": rep.rate_source, "duration": rep.duration,
+    R.write_results("soak", {
+        "passed": ok, "rate": rep.rate, "rate_source": rep.rate_source, "duration": rep.duration,
         "rss_baseline": rep.rss_baseline, "rss_samples": rep.rss_samples,
         "idle_before": rep.idle_before, "idle_after": rep.idle_after,
-        "outcomes": [{**asdict(o.job), **{k: v for k, v in asdict(o).items() if k != "job"}} for o in rep.outcomes]}))
+        "outcomes": [{**asdict(o.job), **{k: v for k, v in asdict(o).items() if k != "job"}} for o in rep.outcomes]},
+        text, args.out, R.docs_dir(args))
     print(text)
     sys.exit(0 if ok else 1)
 

@@ -4,15 +4,15 @@ the layers; on the bundled SmolLM2-135M, the shipped trained FlexiDepth skipper)
 
 Requests are SGLang's random-ids dataset (`sample_random_requests` with integer token ids, no
 download), `--input-len` tokens each (1024 by default, lengths pinned), `--output-len` new tokens,
-sent and timed by `sglang.benchmark.serving`'s request function (vskipper/bench/sglang_client.py),
+sent and timed by `sglang.benchmark.serving`'s request function (client.py),
 every call from an empty radix cache. Paired rounds: each round draws fresh prompts and runs every
 system, in a fresh random order, at two loads: all `--requests` at once, and Poisson arrivals at
 `--open-load` x upstream's capacity (measured in the warm-up round: requests / duration). Per load
 and system: mean TTFT (median over rounds) and its ratio to upstream's in the same round (median,
-bootstrap 95% CI; vskipper/bench/paired.py). Servers: one CPU thread each (vskipper/bench/quick.py).
+bootstrap 95% CI; benchmarks/stats.py). Servers: one CPU thread each (servers.SERVER_THREADS).
 
-    python bench/prefill_serve.py                         # 8 requests x 1024 tokens, 4 rounds: ~12 min here
-    python bench/prefill_serve.py --requests 16 --rounds 6 --chunked-prefill-size 512
+    python -m benchmarks.serving.long_prompts         # 8 requests x 1024 tokens, 4 rounds: ~12 min on 2 CPUs
+    python -m benchmarks.serving.long_prompts --requests 16 --rounds 6 --chunked-prefill-size 512
 """
 from __future__ import annotations
 
@@ -22,18 +22,11 @@ import dataclasses
 import io
 import random
 import statistics
-import sys
-import time
-from pathlib import Path
 
-from vskipper.bench.paired import paired_delta, round_orders
-from vskipper.bench.quick import Settings as QuickSettings
-from vskipper.bench.servers import System, start_all, stop
-from vskipper.bench.serving import default_systems
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+from benchmarks import results as R
+from benchmarks.results import log
+from benchmarks.serving.servers import SERVER_THREADS, System, default_systems, start_all, stop
+from benchmarks.stats import paired_delta, round_orders
 
 
 def prompts(client, n: int, input_len: int, output_len: int, seed: int) -> list:
@@ -58,7 +51,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=4, help="paired rounds after the warm-up round")
     ap.add_argument("--open-load", type=float, default=0.75, help="open-loop arrival rate, x upstream's capacity")
     ap.add_argument("--chunked-prefill-size", type=int, help="SGLang's --chunked-prefill-size for every server")
-    ap.add_argument("--out", default="out/bench-prefill")
+    R.add_arguments(ap, "long-prompts")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.input_len < 1 or args.output_len < 4 or args.rounds < 3 or not 0 < args.open_load:
         ap.error("--requests and --input-len must be >= 1, --output-len >= 4 (SGLang's client minimum), "
@@ -74,12 +67,12 @@ def main(argv=None) -> None:
 
 
 def run(systems: list[System], args) -> None:
-    from vskipper.bench.sglang_client import Client
+    from benchmarks.serving.client import Client
 
-    out = Path(args.out)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     names = [s.name for s in systems]
-    threads = QuickSettings().server_threads
+    threads = SERVER_THREADS
     pool = args.requests * (args.input_len + args.output_len) + 1024
     log(f"starting {len(systems)} SGLang servers ({', '.join(names)}), {threads} CPU thread(s) each, "
         f"KV pool {pool} tokens")
@@ -108,22 +101,19 @@ def run(systems: list[System], args) -> None:
     finally:
         for srv in servers.values():
             stop(srv)
-    lines = [f"SGLang's client, {args.requests} random-ids prompts of {args.input_len} tokens, {args.output_len} "
-             f"output tokens, {args.rounds} paired rounds in random order, {threads} CPU thread(s) per server"
-             + (f", --chunked-prefill-size {args.chunked_prefill_size}" if args.chunked_prefill_size else "")
-             + "; TTFT: median over rounds of each call's mean; ratio: median [95% CI] of per-round ratios to upstream",
-             "", "| load | system | mean TTFT ms | TTFT / upstream | failed |", "|---|---|---|---|---|"]
+    header = (f"SGLang's client, {args.requests} random-ids prompts of {args.input_len} tokens, {args.output_len} "
+              f"output tokens, {args.rounds} paired rounds in random order, {threads} CPU thread(s) per server"
+              + (f", --chunked-prefill-size {args.chunked_prefill_size}" if args.chunked_prefill_size else "")
+              + "; TTFT: median over rounds of each call's mean; ratio: median [95% CI] of per-round ratios to "
+                "upstream")
+    rows = []
     for load in loads:
         for n in names:
-            med = statistics.median(ttft[load][n])
-            if n == names[0]:
-                ratio = "-"
-            else:
-                d = paired_delta(ttft[load][n], ttft[load][names[0]])
-                ratio = f"{1 + d.median:.3f} [{1 + d.lo:.3f}, {1 + d.hi:.3f}]"
-            lines.append(f"| {load} | {n} | {med:.0f} | {ratio} | {failed[load][n]} |")
-    text = "\n".join(lines)
-    (out / "prefill.md").write_text(text + "\n")
+            ratio = "-" if n == names[0] else paired_delta(ttft[load][n], ttft[load][names[0]]).ratio_text()
+            rows.append([load, n, f"{statistics.median(ttft[load][n]):.0f}", ratio, failed[load][n]])
+    text = f"{header}\n\n" + R.table(["load", "system", "mean TTFT ms", "TTFT / upstream", "failed"], rows) + "\n"
+    R.write_results("long-prompts", {"systems": [dataclasses.asdict(x) for x in systems], "args": vars(args),
+                                     "open_rate": rate, "ttft_ms": ttft, "failed": failed}, text, out, R.docs_dir(args))
     print(text)
 
 

@@ -7,7 +7,6 @@ import json
 import math
 import random
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -45,10 +44,6 @@ class Outcome:
     @property
     def exact(self) -> bool:
         return self.tokens == self.job.max_new_tokens and self.finish == "length"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # --- what is sent ----------------------------------------------------------------------------
