@@ -19,7 +19,7 @@ def main(path: str, out: str) -> None:
     from sglang.benchmark import one_batch
 
     import vskipper
-    from vskipper.bench.runner import with_model_runner
+    from benchmarks.step.runner import with_model_runner
     from vskipper.models.sglang import SGLangAttention
 
     seen = []

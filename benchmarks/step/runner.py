@@ -1,7 +1,7 @@
 """One SGLang ModelRunner in this process, loaded as `sglang.benchmark.one_batch` loads it (SGLang's
-scheduler bypassed): for measuring SGLang's own decode step side by side (bench/sglang_step.py)
-and for tests that build a batch by hand (a padded decode batch, as the CUDA-graph runner pads).
-On a machine without a GPU it uses the vskipper_cpu platform."""
+scheduler bypassed): for measuring SGLang's own decode and extend steps side by side
+(engine_step.py) and for tests that build a batch by hand (a padded decode batch, as the CUDA-graph
+runner pads). On a machine without a GPU it uses the vskipper_cpu platform."""
 from __future__ import annotations
 
 import os
@@ -55,3 +55,4 @@ def use(model, layers, state) -> None:
         del model.vskipper
     if state is not None:
         model.vskipper = state
+

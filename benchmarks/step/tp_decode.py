@@ -2,7 +2,7 @@
 whether both give the same greedy tokens. On CPU a correctness run (gloo, one core per rank),
 not a speed claim.
 
-    python bench/tp_decode.py CHECKPOINT [--batch 8] [--new 32] [--execution routed]
+    python -m benchmarks.step.tp_decode CHECKPOINT [--batch 8] [--new 32] [--execution routed]
 
 The decode step time is (time to generate 1 + new tokens - time to generate 1 token) / new, the
 median of --repeats closed batches."""
@@ -13,6 +13,8 @@ import os
 import statistics
 import sys
 import time
+
+from benchmarks import results as R
 
 
 def measure(path: str, tp: int, args) -> tuple[float, list[list[int]]]:
@@ -42,22 +44,28 @@ def measure(path: str, tp: int, args) -> tuple[float, list[list[int]]]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.step.tp_decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--execution", default="routed", choices=["auto", "dense", "routed"])
+    R.add_arguments(ap, "tp-decode")
     args = ap.parse_args(argv)
     os.environ.setdefault("SGLANG_PLATFORM", "vskipper_cpu")
     os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
     os.environ["VSKIPPER_EXECUTION"] = args.execution
     res = {tp: measure(args.checkpoint, tp, args) for tp in (1, 2)}
     same = sum(a == b for a, b in zip(res[1][1], res[2][1]))
-    print(f"{args.checkpoint}, batch {args.batch}, {args.new} new tokens, execution {args.execution}, "
-          f"median of {args.repeats}\n\n| tp | decode step ms | greedy sequences equal to tp=1 |\n|---|---|---|")
-    for tp, (step, _) in res.items():
-        print(f"| {tp} | {step * 1e3:.1f} | {same if tp == 2 else args.batch}/{args.batch} |")
+    text = (f"{args.checkpoint}, batch {args.batch}, {args.new} new tokens, execution {args.execution}, "
+            f"median of {args.repeats}\n\n"
+            + R.table(["tp", "decode step ms", "greedy sequences equal to tp=1"],
+                      [[tp, f"{step * 1e3:.1f}", f"{same if tp == 2 else args.batch}/{args.batch}"]
+                       for tp, (step, _) in res.items()]) + "\n")
+    print(text)
+    R.write_results("tp-decode", {"args": vars(args), "step_s": {tp: step for tp, (step, _) in res.items()},
+                                  "equal": same}, text, args.out, R.docs_dir(args))
     sys.exit(0 if same == args.batch else 1)
 
 

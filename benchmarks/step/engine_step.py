@@ -1,0 +1,298 @@
+"""One step inside SGLang, side by side in one process: upstream SGLang's own layers against
+vskipper's routed layers on the same model, the same batch and the same KV pool; the decode step,
+the prefill (extend) step, or both.
+
+One SGLang ModelRunner is loaded the way `sglang.benchmark.one_batch` loads it (SGLang's
+scheduler is bypassed; the vskipper_cpu platform on a machine without a GPU). Each system is a
+set of decoder layers: upstream's own, or the ones `vskipper.transform` made for a skipper (only
+routed layers differ). A round puts each system's layers in place, in a fresh random order, and
+times one step of the batch; ratios are paired within rounds (median, bootstrap 95% CI). Decode:
+the batch's sequences grow by one token per step, alike for every system of a round. Prefill: one
+extend of the batch's prompts per system, the pool cleared before each.
+
+    python -m benchmarks.step.engine_step                   # decode: SmolLM2-135M, batch 1 8 32, 128-token prompts
+    python -m benchmarks.step.engine_step --batch 32 --rounds 40 --threads 1
+    python -m benchmarks.step.engine_step --phase prefill   # one 1024-token prompt
+    python -m benchmarks.step.engine_step --phase both
+
+Each skipping system is also compared with the rate-0 system of the same execution, paired in the
+same rounds: what skipping saves, apart from what vskipper's path costs. The decode phase also
+prints what the per-layer routing work (router, decisions, counter, the routed bodies' rows and
+route maps, the row gathers and scatters) costs, timed alone at T = 1, 32, 256 and the batch sizes,
+so the overhead is a number per routed layer.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks import results as R
+from benchmarks.results import log
+
+RATE0, HALF = "random:rate=0,layers=15-29,seed=0", "random:rate=0.5,layers=15-29,seed=0"
+SYSTEMS = {  # name -> (skipper spec or None for upstream, execution, extend attention for the RUN rows only)
+    "upstream": (None, None, True),
+    "rate0-dense": (RATE0, "dense", True),
+    "rate0-routed": (RATE0, "routed", True),
+    "rate0-auto": (RATE0, "auto", True),
+    "rate0-routed-mlp": (RATE0, "routed-mlp", True),
+    "skip0.5-routed": (HALF, "routed", True),
+    "skip0.5-routed-mlp": (HALF, "routed-mlp", True),
+    "skip0.5-auto": (HALF, "auto", True),
+    "skip0.5-mlp-only": (HALF, "routed", False),  # extend attention for every row (as before routed prefill)
+}
+PHASES = {  # phase -> default systems, batch sizes, prompt tokens, paired rounds
+    "decode": (["upstream", "rate0-dense", "rate0-routed", "rate0-auto", "rate0-routed-mlp", "skip0.5-routed",
+                "skip0.5-routed-mlp", "skip0.5-auto"], [1, 8, 32], 128, 30),
+    "prefill": (["upstream", "rate0-routed", "skip0.5-mlp-only", "skip0.5-routed"], [1], 1024, 5),
+}
+ROUTING_TS = (1, 32, 256)  # row counts the routing work is timed at, besides the batch sizes
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.step.engine_step", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phase", choices=["decode", "prefill", "both"], default="decode")
+    ap.add_argument("--model", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: decode 1 8 32, prefill 1)")
+    ap.add_argument("--input-len", type=int, help="prompt tokens (default: decode 128, prefill 1024)")
+    ap.add_argument("--rounds", type=int, help="paired rounds per batch size (default: decode 30, prefill 5)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="default: the phase's own (SYSTEMS)")
+    R.add_arguments(ap, None)
+    a = ap.parse_args(argv)
+    if min(a.batch or [1]) < 1 or (a.rounds is not None and a.rounds < 2) or (a.input_len or 1) < 1 or a.threads < 1:
+        ap.error("--batch, --input-len and --threads must be >= 1, --rounds >= 2")
+    if a.systems and "upstream" not in a.systems:
+        ap.error("--systems must include upstream (the baseline)")
+    a.phases = ["decode", "prefill"] if a.phase == "both" else [a.phase]
+    a.out = a.out or Path("out") / f"engine-step-{a.phase}"
+    return a
+
+
+def settings(args, phase: str) -> tuple[list[str], list[int], int, int]:
+    """(systems, batch sizes, prompt tokens, rounds) of a phase: the flags given, else its defaults."""
+    systems, batch, input_len, rounds = PHASES[phase]
+    return args.systems or systems, args.batch or batch, args.input_len or input_len, args.rounds or rounds
+
+
+def layer_sets(model, systems):
+    """{system: (decoder layers, vskipper state or None)}: each system's layers over one model."""
+    import vskipper
+    from benchmarks.step.runner import use
+    from vskipper.models.sglang import SGLangRoutedLayer
+
+    inner = model.model
+    upstream = list(inner.layers)
+    out = {}
+    for name in systems:
+        spec, execution, routed_extend = SYSTEMS[name]
+        use(model, upstream, None)
+        if spec is None:
+            out[name] = (upstream, None)
+            continue
+        vskipper.transform(model, vskipper.parse_skipper(spec), vskipper.Config(execution=execution))
+        layers = list(inner.layers)
+        if not routed_extend:  # this system's attention parts attend for all rows in extend batches
+            for layer in layers:
+                if isinstance(layer, SGLangRoutedLayer):
+                    attention = layer._vskipper_layer.get_submodule(f"routed.{layer.layer_id}").attention
+                    attention._routes_extend = lambda fb: False
+        out[name] = (layers, model.vskipper)
+    return out
+
+
+def ratio_tables(times: dict[int, dict[str, list[float]]], systems: list[str]) -> str:
+    """Per batch size: upstream's median step and every system's paired ratio to it; then each
+    skipping system against the rate-0 system of the same execution, paired in the same rounds."""
+    from benchmarks.stats import paired_delta
+
+    rows, saved = [], []
+    for B, t in times.items():
+        up = t["upstream"]
+        rows.append([B, f"{statistics.median(up) * 1e3:.1f}"]
+                    + [paired_delta(t[n], up).ratio_text() for n in systems[1:]])
+        for n in systems:
+            zero = n.replace("skip0.5-", "rate0-")
+            if n.startswith("skip") and zero in t:
+                saved.append([B, f"{n} / {zero}", paired_delta(t[n], t[zero]).ratio_text()])
+    text = R.table(["batch", "upstream ms"] + [f"{n} / upstream (95% CI)" for n in systems[1:]], rows)
+    if saved:
+        text += ("\n\nWhat skipping saves (RandomSkip 0.5 against rate 0, same execution, paired in the same "
+                 "rounds):\n\n" + R.table(["batch", "skipping / nothing skipped", "ratio (95% CI)"], saved))
+    return text
+
+
+def run_phase(args, runner, sets, phase: str) -> tuple[str, dict]:
+    """One phase over its batch sizes: its tables, and its step times {batch: {system: seconds per round}}."""
+    from benchmarks.stats import timed_rounds
+    from benchmarks.step.runner import use
+
+    systems, batches, input_len, rounds = settings(args, phase)
+    model = runner.torch_runner.model
+    times = {}
+    for B in batches:
+        step = (decode_step if phase == "decode" else prefill_step)(runner, sets, B, input_len)
+        times[B] = timed_rounds(systems, rounds, B, step)
+        log(f"{phase}, batch {B} done")
+    use(model, *sets["upstream"])
+    head = (f"SGLang {'decode' if phase == 'decode' else 'extend'} step, {type(model).__name__} "
+            f"({len(model.model.layers)} layers), prompts of {input_len} tokens, {rounds} paired rounds in random "
+            f"order, {args.threads} thread(s); systems: {describe(systems)}")
+    text = f"{head}\n\n{ratio_tables(times, systems)}"
+    if phase == "decode":
+        text += "\n\n" + routing_table(model, sets, batches)
+    return text, times
+
+
+def decode_step(runner, sets, B: int, input_len: int):
+    """B prompts prefilled by upstream; then step(system) times one decode step of the batch with that
+    system's layers, the sequences growing by a token each step."""
+    from sglang.benchmark import one_batch
+
+    from benchmarks.step.runner import use
+
+    model = runner.torch_runner.model
+    runner.clear()
+    use(model, *sets["upstream"])
+    ids, _, batch = runner.extend(one_batch.prepare_synthetic_inputs_for_latency_test(B, input_len))
+    state = {"ids": ids}
+
+    def step(n: str) -> float:
+        use(model, *sets[n])
+        t0 = time.perf_counter()
+        state["ids"], _ = runner.decode(state["ids"], batch)
+        return time.perf_counter() - t0
+
+    return step
+
+
+def prefill_step(runner, sets, B: int, input_len: int):
+    """step(system) times one extend of the same B random prompts with that system's layers, the pool
+    cleared first."""
+    import numpy as np
+    from sglang.benchmark import one_batch
+
+    from benchmarks.step.runner import use
+
+    model = runner.torch_runner.model
+    ids = np.random.default_rng(0).integers(1, 10000, (B, input_len), dtype=np.int32).tolist()
+
+    def step(n: str) -> float:
+        use(model, *sets[n])
+        runner.clear()
+        reqs = one_batch.prepare_synthetic_inputs_for_latency_test(B, input_len, custom_inputs=ids)
+        t0 = time.perf_counter()
+        runner.extend(reqs)
+        return time.perf_counter() - t0
+
+    return step
+
+
+def describe(systems: list[str]) -> str:
+    """What each system is, for a table's header."""
+    parts = []
+    for n in systems:
+        spec, execution, routed_extend = SYSTEMS[n]
+        parts.append(f"{n} = SGLang alone" if spec is None else
+                     f"{n} = {spec} ({execution}{'' if routed_extend else ', extend attention for every row'})")
+    return ", ".join(parts)
+
+
+def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, float]:
+    """us per routed layer of the routing work alone at T rows: router, decisions, counter, the
+    dynamic routed body's row finding (the RUN count; with half the rows RUN also their indices),
+    the fixed-shape body's route maps, and the dynamic body's gathers (RUN and PROJECT rows of h,
+    half each) and scatters back into a copy of h."""
+    import torch
+
+    from vskipper import ops
+    from vskipper.skippers.base import sanitize_gate
+
+    sk = state.skipper
+    layer = sk.layers[0]
+    router, counter = sk.router(layer), state.counters[str(layer)]
+    x = torch.randn(T, hidden)
+    pos, ids, valid = torch.arange(T), torch.randint(1, 1000, (T,)), torch.ones(T, dtype=torch.bool)
+    with torch.no_grad():
+        g = router(x, pos, ids)
+        gate, run, bad = sanitize_gate(g, sk.threshold)
+        half = torch.arange(T) % 2 == 0
+        rr, pr = half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)
+
+        def rows():  # RoutedBody: the count, then (some rows skip) the RUN rows
+            ran = (half & valid).reshape(-1)
+            if int(ran.sum()) < T:
+                ran.nonzero().squeeze(1)
+
+        def gathers():
+            out = x.clone()
+            out.index_copy_(0, rr, x.index_select(0, rr))
+            out.index_copy_(0, pr, x.index_select(0, pr))
+
+        parts = {"router": lambda: router(x, pos, ids), "decide": lambda: sanitize_gate(g, sk.threshold),
+                 "counter": lambda: counter(run, valid, bad), "rows (dynamic)": rows,
+                 "route_maps (fixed)": lambda: ops.route_maps(run, valid, impl="torch"), "gathers": gathers}
+        out = {}
+        for name, fn in parts.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            out[name] = (time.perf_counter() - t0) / reps * 1e6
+    counter.counts.zero_()
+    return out
+
+
+def routing_table(model, sets, batches: list[int]) -> str:
+    state = next((v[1] for v in sets.values() if v[1] is not None), None)
+    if state is None:
+        return "(no vskipper system: no routing work to time)"
+    n_routed = len(state.skipper.layers)
+    rows, names = [], None
+    for T in sorted(set(ROUTING_TS) | set(batches)):
+        c = routing_cost_us(state, model.config.hidden_size, T)
+        names = list(c)
+        total = sum(v for k, v in c.items() if k != "route_maps (fixed)")
+        rows.append([T] + [f"{v:.1f}" for v in c.values()] + [f"{total:.1f}", f"{total * n_routed / 1e3:.2f}"])
+    return (f"Routing work per routed layer ({n_routed} routed layers), timed alone, us (rate 0 pays router, "
+            "decide, counter and the dynamic body's count; a skipping step of the dynamic body adds its row "
+            "indices and gathers; the fixed-shape body takes route maps instead of rows):\n\n"
+            + R.table(["T"] + names + ["dynamic total", "x routed layers, ms"], rows))
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    os.environ.pop("VSKIPPER_SKIPPER", None)  # the model loads as upstream's; systems are made here
+    from benchmarks.step.runner import with_model_runner
+    from vskipper.models.smollm2 import smollm2_dir
+
+    pool = 4096  # KV pool tokens: decode grows every sequence by a token per system and round
+    for phase in args.phases:
+        systems, batches, input_len, rounds = settings(args, phase)
+        grow = max(batches) * ((rounds + 1) * len(systems) + 16) if phase == "decode" else 64
+        pool = max(pool, max(batches) * input_len + grow)
+    sections, times = [], {}
+
+    def work(runner) -> None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        systems = sorted({n for p in args.phases for n in settings(args, p)[0]}, key=list(SYSTEMS).index)
+        sets = layer_sets(runner.torch_runner.model, systems)
+        for phase in args.phases:
+            text, times[phase] = run_phase(args, runner, sets, phase)
+            sections.append(text)
+
+    with_model_runner(args.model or str(smollm2_dir()), work, max_total_tokens=pool)
+    text = "\n\n".join(sections) + "\n"
+    print(text)
+    R.write_results(f"engine-step-{args.phase}", {"args": vars(args), "step_s": times}, text, args.out,
+                    R.docs_dir(args))
+
+
+if __name__ == "__main__":
+    main()
