@@ -22,7 +22,7 @@ def main(path: str, out: str) -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
     import vskipper
-    from vskipper.bench.runner import with_model_runner
+    from benchmarks.step.runner import with_model_runner
 
     result = {}
 
