@@ -1,8 +1,9 @@
-"""bench/gpu_check.sh cannot rot: its --smoke run (every step at tiny shapes on CPU, the Triton
-interpreter where Triton runs, the guarded eager step in place of CUDA-graph capture), its bad-input
-exits, and the ideal model of bench/gpu_decode.py."""
+"""benchmarks/gpu/gpu_check.sh cannot rot: its --smoke run (every step at tiny shapes on CPU, the
+Triton interpreter where Triton runs, the guarded eager step in place of CUDA-graph capture), its
+bad-input exits, and the ideal model of benchmarks/gpu/decode.py."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "gpu_check.sh"
+SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_check.sh"
 STEPS = ("model", "calibrate", "decode", "kernels", "tune", "tuned", "ops", "props")
 
 
@@ -28,10 +29,13 @@ def test_smoke_run_passes_every_step(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     for step in STEPS:
         assert f"| {step} | ok |" in summary, summary
-    tables = {p.name for p in (tmp_path / "tables").iterdir()}
-    assert tables == {"model.md", "calibration.md", "decode.md", "kernels_default.md", "kernels_tuned.md"}
-    assert "FAILED" not in (tmp_path / "tables" / "model.md").read_text()
-    decode = (tmp_path / "tables" / "decode.md").read_text()
+    pages = {p.name for p in (tmp_path / "results").iterdir()}
+    assert pages == {"gpu-model.md", "calibration.md", "gpu-decode.md", "gpu-kernels-untuned.md", "gpu-kernels.md"}
+    runs = {p.parent.name for p in (tmp_path / "runs").glob("*/results.json")}
+    assert runs == {"model", "calibration", "decode", "kernels", "tuned"}
+    assert "FAILED" not in (tmp_path / "results" / "gpu-model.md").read_text()
+    assert json.loads((tmp_path / "runs" / "model" / "results.json").read_text())["results"]["passed"] is True
+    decode = (tmp_path / "results" / "gpu-decode.md").read_text()
     assert "| base tok/s | dense tok/s | routed tok/s | auto tok/s |" in decode
     assert "calibration 'cpu" in decode  # auto found the calibration the step before made
     assert list((tmp_path / "vskipper" / "kernel_configs").glob("*.json"))
@@ -64,9 +68,8 @@ def test_missing_package_is_named(tmp_path):
 
 
 def test_ideal_model():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_decode as D
-    import gpu_harness as G
+    from benchmarks.gpu import decode as D
+    from benchmarks.gpu import harness as G
 
     m, s = D.Machine(4.8e12, 989e12), G.LLAMA3_8B
     assert D.ideal_speedups(s, 16, 1024, m, 0.0) == (1.0, 1.0)  # nothing skipped: nothing saved
@@ -80,10 +83,9 @@ def test_ideal_model():
 
 
 def test_full_mask_step_takes_the_unmasked_attention_and_matches(monkeypatch):
-    """bench/gpu_decode.py times Step(full=True): SDPA without a mask (GQA left to SDPA); it must
+    """benchmarks/gpu/decode.py times Step(full=True): SDPA without a mask (GQA left to SDPA); it must
     compute what the masked step computes, for the base model and a transformed one."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_harness as G
+    from benchmarks.gpu import harness as G
 
     import vskipper
 

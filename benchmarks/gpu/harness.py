@@ -1,4 +1,4 @@
-"""What the GPU model checks share (bench/gpu_model_check.py, bench/gpu_decode.py): a Llama of a
+"""What the GPU model checks share (model_check.py, decode.py): a Llama of a
 given shape with random weights, built directly on its device; systems that share its weights (the
 base model, vskipper transforms of it); a fixed-address KV cache; one decode step with static
 input buffers, captured in a CUDA graph on CUDA and run eagerly under the host-sync guard on CPU

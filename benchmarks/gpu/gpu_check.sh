@@ -3,30 +3,31 @@
 # python3 with torch, triton, transformers, safetensors, hypothesis and pytest preinstalled, no
 # SGLang, no network, no venv; run from anywhere (it cds to the repo root and sets PYTHONPATH).
 #
-#   bash bench/gpu_check.sh                  # on a GPU; logs, tables and the tuned JSON under $OUT
-#   bash bench/gpu_check.sh --smoke          # every step at tiny shapes on CPU (Triton interpreter,
-#                                            # graphs replaced by the guarded eager step): CI
-#   bash bench/gpu_check.sh --only model,decode     # a subset of the steps (names below)
+#   bash benchmarks/gpu/gpu_check.sh             # on a GPU; logs, results and the tuned JSON under $OUT
+#   bash benchmarks/gpu/gpu_check.sh --smoke     # every step at tiny shapes on CPU (Triton interpreter,
+#                                                # graphs replaced by the guarded eager step): CI
+#   bash benchmarks/gpu/gpu_check.sh --only model,decode     # a subset of the steps (names below)
 #
 # Steps, each under its own time limit (seconds; also cut to what is left of the 535 s total):
 #   env        versions and the device; missing package or no GPU: a clear message, exit 2
-#   model  110 bench/gpu_model_check.py: the transformed Llama-3-8B shape (random bf16 weights)
+#   model  110 benchmarks/gpu/model_check.py: the transformed Llama-3-8B shape (random bf16 weights)
 #              under CUDA graphs, RandomSkip and FlexiDepth hard/soft, replays vs eager; fp32
 #              greedy tokens vs the reference on a small model
 #   calibrate 60  vskipper calibrate --device cuda on one routed layer of the 8B shape (fewer
-#              rounds), then its table (bench/calibration_table.py); `auto` in the next step uses it
-#   decode 115 bench/gpu_decode.py: tok/s of base, dense, routed, auto, all captured, B 1..256,
+#              rounds), then its table (benchmarks/step/calibration_table.py); `auto` in the next step uses it
+#   decode 115 benchmarks/gpu/decode.py: tok/s of base, dense, routed, auto, all captured, B 1..256,
 #              context 1024 and 4096, beside the bytes/FLOPs ideal
-#   kernels 40 bench/kernel_timings.py with the untuned defaults (VSKIPPER_AUTOTUNE=0)
-#   tune    60 bench/kernel_timings.py --tune: a thinned sweep at T in {64, 256}
-#   tuned   40 bench/kernel_timings.py again, with the tuned table
+#   kernels 40 benchmarks/gpu/kernel_timings.py with the untuned defaults (--untuned)
+#   tune    60 benchmarks/gpu/kernel_timings.py --tune: a thinned sweep at T in {64, 256}
+#   tuned   40 benchmarks/gpu/kernel_timings.py again, with the tuned table
 #   ops     55 tests/test_ops_compile.py: a routed body captured and replayed, torch.compile, opcheck
 #   props   55 tests/test_kernels.py: every kernel against its reference (HYPOTHESIS_PROFILE=cpu)
-# $OUT (default: a new temp dir): summary.md, logs/<step>.log, tables/*.md, cache/ (VSKIPPER_CACHE:
-# the calibration and the tuned table), vskipper/kernel_configs/<gpu>.json. Exit status: 0 if every
-# step passed, 1 if any failed or timed out (124), 2 on bad input.
+# $OUT (default: a new temp dir): summary.md, logs/<step>.log, runs/<step>/results.json, results/*.md
+# (the pages: copy into docs/results/), cache/ (VSKIPPER_CACHE: the calibration and the tuned table),
+# vskipper/kernel_configs/<gpu>.json. Exit status: 0 if every step passed, 1 if any failed or timed
+# out (124), 2 on bad input.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 SMOKE=0
@@ -35,13 +36,13 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) SMOKE=1 ;;
         --only) ONLY=",${2:?--only needs a comma-separated list of steps},"; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (expected --smoke, --only STEPS, --help)" >&2; exit 2 ;;
     esac
     shift
 done
 OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT/logs" "$OUT/tables" "$OUT/cache" "$OUT/vskipper/kernel_configs"
+mkdir -p "$OUT/logs" "$OUT/runs" "$OUT/results" "$OUT/cache" "$OUT/vskipper/kernel_configs"
 export VSKIPPER_CACHE="$OUT/cache" TOKENIZERS_PARALLELISM=false
 TOTAL=535                      # seconds for all steps; H200 startup and transfers are outside it
 [ "$SMOKE" -eq 1 ] && TOTAL=600
@@ -60,7 +61,8 @@ run() {
     [ "$SMOKE" -eq 1 ] && limit=$(( left < 240 ? left : 240 ))  # CPU: slower, and timings are not the point
     echo; echo "== [$(( $(date +%s) - t0 ))s] $name (limit ${limit}s): $*"
     if [ "$limit" -lt 5 ]; then
-        echo "!! $name not run: no time left"; echo "| $name | not run (no time left) | 0 | $want |" >> "$OUT/summary.md"
+        echo "!! $name not run: no time left"
+        echo "| $name | not run (no time left) | 0 | $want |" >> "$OUT/summary.md"
         status=1; return 0
     fi
     local s=$(date +%s)
@@ -92,8 +94,8 @@ dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA de
 print(f"python {sys.version.split()[0]} | torch {torch.__version__} (cuda {torch.version.cuda}) | triton "
       f"{triton.__version__} | transformers {transformers.__version__} | {dev}")
 if sys.argv[1] == "0" and not torch.cuda.is_available():
-    sys.exit("gpu_check.sh: no CUDA device: this check needs a GPU (bash bench/gpu_check.sh --smoke runs it at tiny "
-             "shapes on CPU)")
+    sys.exit("gpu_check.sh: no CUDA device: this check needs a GPU (bash benchmarks/gpu/gpu_check.sh --smoke runs it "
+             "at tiny shapes on CPU)")
 EOF
 
 if [ "$SMOKE" -eq 1 ]; then
@@ -112,9 +114,10 @@ else
     OPS_K="not (torch_compile and cpu)"  # inductor on CPU needs a host C++ toolchain: not relied on here
     PROPS_K=""
 fi
-T=$OUT/tables
+RUNS=$OUT/runs                   # every step's results.json in runs/<step>/, its page in results/
+PAGES=$OUT/results
 
-run model 110 "$PY" bench/gpu_model_check.py $SM --out "$T/model.md"
+run model 110 "$PY" -m benchmarks.gpu.model_check $SM --out "$RUNS/model" --docs "$PAGES"
 if [ "$SMOKE" -eq 1 ]; then  # the CLI's flags checked, then its measurement on a 2 x 3 grid (the full one: 80 s here)
     CALIBRATE="'$PY' -m vskipper.cli calibrate --help > /dev/null && '$PY' -c 'from vskipper import calibrate, cost
 cal, _ = calibrate.measure($SHAPE, device=\"cpu\", ts=(4, 16), fs=(0.0, 0.5, 1.0), repeats=1, passes=1, progress=False)
@@ -122,12 +125,13 @@ print(\"calibration cached in\", cost.save(cal))'"
 else
     CALIBRATE="'$PY' -m vskipper.cli calibrate --shape $SHAPE --device $DEVICE --repeats 2 --passes 1"
 fi
-run calibrate 60 bash -c "$CALIBRATE && '$PY' bench/calibration_table.py --shape $SHAPE --device $DEVICE --out '$T/calibration.md'"
-run decode 115 "$PY" bench/gpu_decode.py $SM --out "$T/decode.md"
-run kernels 40 env VSKIPPER_AUTOTUNE=0 "$PY" bench/kernel_timings.py $SM --out "$T/kernels_default.md"
-run tune 60 bash -c "'$PY' bench/kernel_timings.py $SM --tune '$VSKIPPER_CACHE/kernel_configs' $TUNE \
+run calibrate 60 bash -c "$CALIBRATE && '$PY' -m benchmarks.step.calibration_table --shape $SHAPE --device $DEVICE \
+    --out '$RUNS/calibration' --docs '$PAGES'"
+run decode 115 "$PY" -m benchmarks.gpu.decode $SM --out "$RUNS/decode" --docs "$PAGES"
+run kernels 40 "$PY" -m benchmarks.gpu.kernel_timings $SM --untuned --out "$RUNS/kernels" --docs "$PAGES"
+run tune 60 bash -c "'$PY' -m benchmarks.gpu.kernel_timings $SM --tune '$VSKIPPER_CACHE/kernel_configs' $TUNE \
     && cp '$VSKIPPER_CACHE'/kernel_configs/*.json '$OUT/vskipper/kernel_configs/'"
-run tuned 40 "$PY" bench/kernel_timings.py $SM --out "$T/kernels_tuned.md"
+run tuned 40 "$PY" -m benchmarks.gpu.kernel_timings $SM --out "$RUNS/tuned" --docs "$PAGES"
 run ops 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_ops_compile.py -k "$OPS_K"
 run props 55 env HYPOTHESIS_PROFILE=cpu "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
     ${PROPS_K:+-k "$PROPS_K"}

@@ -1,9 +1,9 @@
 """Decode tokens/s of the base model and of vskipper's bodies, every one captured in a CUDA graph,
 side by side in one run, beside what a bytes/FLOPs model says skipping can save at best.
 
-    python bench/gpu_decode.py                        # Llama-3-8B shape, random bf16 weights, on CUDA
-    python bench/gpu_decode.py --batches 1 16 --contexts 1024
-    python bench/gpu_decode.py --smoke                # tiny shapes on CPU: checks the script runs
+    python -m benchmarks.gpu.decode                   # Llama-3-8B shape, random bf16 weights, on CUDA
+    python -m benchmarks.gpu.decode --batches 1 16 --contexts 1024
+    python -m benchmarks.gpu.decode --smoke           # tiny shapes on CPU: checks the script runs
 
 Systems (one set of weights, shared): the base model; RandomSkip(0.5) over the routed layers
 (16-31 of 32) transformed with Config(execution="dense" | "routed" | "auto", static_shapes=True).
@@ -27,15 +27,15 @@ import dataclasses
 import random
 import sys
 import traceback
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks import results as R
+
 SYSTEMS = ("base", "dense", "routed", "auto")
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="8b", help="8b, tiny, or hidden,intermediate,heads,kv_heads,layers,vocab")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
@@ -47,7 +47,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5, help="replays timed per round (median)")
     p.add_argument("--bw", type=float, default=4.8e12, help="memory bandwidth of the ideal model, B/s (H200)")
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the ideal model (H200)")
-    p.add_argument("--out", type=Path, help="also write the table here")
+    R.add_arguments(p, "gpu-decode")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks that the script runs")
     a = p.parse_args(argv)
     if a.smoke:
@@ -140,13 +140,12 @@ def table(args, G, shape, rows, header) -> str:
     m = Machine(args.bw, args.peak)
     names = [n for n in args.systems]
     others = [n for n in names if n != "base"]
-    head = ("| B | context | " + " | ".join(f"{n} tok/s" for n in names) + " | "
-            + " | ".join(f"{n} / base" for n in others) + " | ideal | ideal, MLP only | RUN fraction | "
-            "base: model ms / measured ms |")
-    lines = [header, "", head, "|" + "---|" * (head.count("|") - 1)]
+    head = (["B", "context"] + [f"{n} tok/s" for n in names] + [f"{n} / base" for n in others]
+            + ["ideal", "ideal, MLP only", "RUN fraction", "base: model ms / measured ms"])
+    lines = []
     for (B, C), r in rows:
         if isinstance(r, str):
-            lines.append(f"| {B} | {C} | {r} |")
+            lines.append([B, C, r])
             continue
         tok = {n: (f"{B / r[n] * 1e3:.0f}" if isinstance(r.get(n), float) else r.get(n, "-")) for n in names}
         ratio = {n: (f"{r['base'] / r[n]:.3f}" if isinstance(r.get(n), float) and isinstance(r.get("base"), float)
@@ -155,9 +154,9 @@ def table(args, G, shape, rows, header) -> str:
         model_ms = step_time(shape, B, C, m) * 1e3
         base_eff = f"{model_ms:.3g} / {r['base']:.3g}" if isinstance(r.get("base"), float) else "-"
         frac = f"{r['run_fraction']:.2f}" if "run_fraction" in r else "-"
-        lines.append(f"| {B} | {C} | " + " | ".join(tok[n] for n in names) + " | "
-                     + " | ".join(ratio[n] for n in others) + f" | {ideal:.3f} | {ideal_mlp:.3f} | {frac} | {base_eff} |")
-    return "\n".join(lines)
+        lines.append([B, C] + [tok[n] for n in names] + [ratio[n] for n in others]
+                     + [f"{ideal:.3f}", f"{ideal_mlp:.3f}", frac, base_eff])
+    return header + "\n\n" + R.table(head, lines)
 
 
 def main(args) -> int:
@@ -167,10 +166,11 @@ def main(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    import gpu_harness as G
+    from benchmarks.gpu import harness as G  # after TRITON_INTERPRET is set: it imports vskipper
 
     if not G.cuda() and not args.smoke:
-        print("gpu_decode: no CUDA device; this benchmark needs a GPU (or --smoke: tiny shapes on CPU)", file=sys.stderr)
+        print("gpu decode: no CUDA device; this benchmark needs a GPU (or --smoke: tiny shapes on CPU)",
+              file=sys.stderr)
         return 2
     device = torch.device("cuda" if G.cuda() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -201,13 +201,13 @@ def main(args) -> int:
     header = (f"Decode, every system captured in a CUDA graph ({'replayed' if G.cuda() else 'CPU: eager stand-in'}); "
               f"{G.device_line()}\n{shape}, {dtype}, RandomSkip({args.rate}) over layers {shape.routed[0]}-"
               f"{shape.routed[-1]}, median of {args.rounds} rounds x {args.iters} replays.\nauto: {why}\n"
-              f"Ideal model: bandwidth {args.bw / 1e12:.1f} TB/s, peak {args.peak / 1e12:.0f} TFLOP/s, per-part roofline "
-              f"(docstring of bench/gpu_decode.py); speed-ups over base (> 1 is faster).")
+              f"Ideal model: bandwidth {args.bw / 1e12:.1f} TB/s, peak {args.peak / 1e12:.0f} TFLOP/s, "
+              f"per-part roofline "
+              f"(docstring of benchmarks/gpu/decode.py); speed-ups over base (> 1 is faster).")
     text = table(args, G, shape, rows, header) + "\n"
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    R.write_results("gpu-decode", {"passed": ok, "args": vars(args), "cells": [[B, C, r] for (B, C), r in rows]},
+                    text, args.out, R.docs_dir(args))
     return 0 if ok else 1
 
 

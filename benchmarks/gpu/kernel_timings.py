@@ -1,17 +1,18 @@
 """Time vskipper's grouped-execution ops: Triton kernel vs the fixed-shape torch reference vs plain
 torch/cuBLAS on exactly the gathered rows, side by side in one run. Prints one markdown table.
 
-    python bench/kernel_timings.py                       # T in {16, 64, 256, 1024}, H=4096, I=14336, bf16, 75% RUN
-    python bench/kernel_timings.py --out kernels.md      # also write the table to a file
-    python bench/kernel_timings.py --tune DIR            # sweep kernel configs per token bucket, write DIR/<gpu>.json
-    python bench/kernel_timings.py --smoke               # tiny shapes on CPU (Triton interpreter): checks the script runs
-    python bench/kernel_timings.py --smoke --tune DIR    # the sweep too, a few candidates (the table is not used on CPU)
+    python -m benchmarks.gpu.kernel_timings                  # T in {16, 64, 256, 1024}, H=4096, I=14336, bf16, 75% RUN
+    python -m benchmarks.gpu.kernel_timings --out DIR        # results.json into DIR (default out/gpu-kernels[-untuned])
+    python -m benchmarks.gpu.kernel_timings --tune DIR       # sweep configs per token bucket: DIR/<gpu>.json
+    python -m benchmarks.gpu.kernel_timings --smoke          # tiny shapes on CPU (Triton interpreter): the script runs
+    python -m benchmarks.gpu.kernel_timings --smoke --tune DIR   # the sweep too, a few candidates (unused on CPU)
 
 Legend: T = rows in the batch (the captured capacity), n = rows that RUN (the device-side count),
 H = hidden, I = MLP width. Times are microseconds per call, the median of 7 replays of a CUDA graph
 holding `reps` calls (what a captured decode step pays), and for Triton also the eager time of one
 call (Python and launch overhead included). "base" is plain torch on the n gathered rows, exact
-count and pre-gathered (cuBLAS for the GEMMs): the best a dynamic-shape path could do.
+count and pre-gathered (cuBLAS for the GEMMs): the best a dynamic-shape path could do. The results
+are named gpu-kernels with the tuned table (if one is found), gpu-kernels-untuned with --untuned.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import results as R
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +47,8 @@ class Result:
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.kernel_timings", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=14336)
@@ -53,11 +57,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--run-fraction", type=float, default=0.75)
     p.add_argument("--ops", nargs="+", default=["route_maps", "grouped_swiglu_", "masked_decode_attention"])
-    p.add_argument("--out", type=Path, help="also write the markdown table here")
+    R.add_arguments(p, None)
     p.add_argument("--tune", type=Path, metavar="DIR", help="sweep configs and write a stamped table into DIR")
     p.add_argument("--max-candidates", type=int, default=0,
                    help="with --tune: at most this many candidates per sweep stage, evenly spaced, besides the "
                         "defaults (0: all)")
+    p.add_argument("--untuned", action="store_true",
+                   help="the ops' untuned default launch configs (as VSKIPPER_AUTOTUNE=0 in SGLang)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     a = p.parse_args()
     if a.smoke:
@@ -78,6 +84,7 @@ CUDA = torch.cuda.is_available() and not ARGS.smoke
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[ARGS.dtype]
 REPLAYS = 7
+TUNED = not ARGS.untuned  # launch configs: this GPU's tuned table where one is trusted, else the defaults
 
 
 # --- timing ------------------------------------------------------------------------------------
@@ -157,13 +164,15 @@ def case(op: str, T: int, n: int):
     g, run, rows, count = make_batch(T, n)
     rn = rows[:n].long()  # host-side slice: only the baselines use it
     if op == "route_maps":
-        return (lambda impl: ops.route_maps(run, impl=impl)), None, (lambda r: r[0][:n]), 0, T * (1 + 2 * 4)
+        return ((lambda impl: ops.route_maps(run, impl=impl, tuned=TUNED)), None, (lambda r: r[0][:n]), 0,
+                T * (1 + 2 * 4))
     if op == "grouped_swiglu_":
         x, out, res = rnd(g, T, H), rnd(g, T, H), rnd(g, T, H)
         wg, wu, wd = rnd(g, I, H, scale=H ** -0.5), rnd(g, I, H, scale=H ** -0.5), rnd(g, H, I, scale=I ** -0.5)
         w = torch.rand(T, generator=g).to(DEV)
         xg = x.index_select(0, rn)
-        return (lambda impl: ops.grouped_swiglu_(out, res, x, rows, count, wg, wu, wd, w, impl=impl) or out), \
+        return (lambda impl: ops.grouped_swiglu_(out, res, x, rows, count, wg, wu, wd, w, impl=impl,
+                                                 tuned=TUNED) or out), \
             (lambda: (F.silu(xg @ wg.T) * (xg @ wu.T)) @ wd.T), (lambda r: r.clone()), 6 * n * H * I, \
             3 * wg.numel() * wg.element_size()
     if op == "masked_decode_attention":
@@ -174,7 +183,8 @@ def case(op: str, T: int, n: int):
         req_to_token = torch.randperm(P, generator=g).to(torch.int32).view(T, C).to(DEV)
         rpi = torch.arange(T, device=DEV)
         lens = torch.full((T,), C, device=DEV)
-        return (lambda impl: ops.masked_decode_attention(q, k, v, req_to_token, rpi, lens, run, d ** -0.5, impl=impl)), \
+        return (lambda impl: ops.masked_decode_attention(q, k, v, req_to_token, rpi, lens, run, d ** -0.5, impl=impl,
+                                                           tuned=TUNED)), \
             None, \
             (lambda r: r), 4 * n * nh * C * d, 2 * n * C * kvh * d * k.element_size()
     raise ValueError(f"unknown op {op!r}")
@@ -197,16 +207,15 @@ def measure(cfg: Config) -> Result:
 
 
 def table(results: list[Result]) -> str:
-    head = ("| op | T | n | triton (us) | torch ref (us) | base: torch on n rows (us) | triton / base | "
-            "triton / ref | triton eager (us) | triton achieves | check |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    rows = []
     for r in results:
         c = r.config
         base = f"{r.base_us:.1f}" if r.base_us is not None else "-"
         vs_base = f"{r.triton_us / r.base_us:.2f}" if r.base_us else "-"
-        lines.append(f"| {c.op} | {c.T} | {c.n} | {r.triton_us:.1f} | {r.ref_us:.1f} | {base} | {vs_base} | "
-                     f"{r.triton_us / r.ref_us:.2f} | {r.triton_eager_us:.1f} | {r.figure} | {r.check} |")
-    return "\n".join(lines)
+        rows.append([c.op, c.T, c.n, f"{r.triton_us:.1f}", f"{r.ref_us:.1f}", base, vs_base,
+                     f"{r.triton_us / r.ref_us:.2f}", f"{r.triton_eager_us:.1f}", r.figure, r.check])
+    return R.table(["op", "T", "n", "triton (us)", "torch ref (us)", "base: torch on n rows (us)", "triton / base",
+                    "triton / ref", "triton eager (us)", "triton achieves", "check"], rows)
 
 
 # --- tuning ------------------------------------------------------------------------------------
@@ -255,7 +264,8 @@ def tune(directory: Path) -> None:
             winner = (float("inf"), None)
             for cand in thin(sweeps(op, b, best)[stage], ARGS.max_candidates):
                 over = {**best, **cand}
-                kernel_configs.lookup = lambda o, t, d, default, _o=over: {**default(kernel_configs.bucket(t)), **_o}
+                kernel_configs.lookup = lambda o, t, d, default, tuned=True, _o=over: {
+                    **default(kernel_configs.bucket(t)), **_o}
                 try:
                     t_us = graph_us(lambda: fn("triton"), budget_us=1000.0)
                 except Exception as e:  # a config that does not compile or fit (shared memory): skipped
@@ -287,12 +297,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if CUDA else "CPU (Triton interpreter; timings meaningless)"
     text = (f"Kernels on {name}, {ARGS.dtype}, H={ARGS.hidden}, I={ARGS.inter}, heads {ARGS.heads}, context "
             f"{ARGS.context}, n = {ARGS.run_fraction:.0%} of T; torch {torch.__version__}, configs: "
-            f"{'tuned table if present' if kernel_configs.autotune_enabled() else 'defaults (VSKIPPER_AUTOTUNE=0)'}\n\n"
+            f"{'tuned table if present' if TUNED else 'defaults (--untuned)'}\n\n"
             + table(results) + "\n")
     print(text)
-    if ARGS.out:
-        ARGS.out.parent.mkdir(parents=True, exist_ok=True)
-        ARGS.out.write_text(text)
+    name = "gpu-kernels" if TUNED else "gpu-kernels-untuned"
+    R.write_results(name, {"args": vars(ARGS), "results": results}, text, ARGS.out or Path("out") / name,
+                    R.docs_dir(ARGS))
 
 
 if __name__ == "__main__":

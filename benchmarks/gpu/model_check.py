@@ -1,19 +1,19 @@
 """The real decode path under CUDA graphs: a transformed Llama decoding with one step captured per
 batch size and replayed with changing route decisions.
 
-    python bench/gpu_model_check.py                  # Llama-3-8B shape, random bf16 weights, on CUDA
-    python bench/gpu_model_check.py --smoke          # tiny shapes on CPU (eager stand-in for graphs)
+    python -m benchmarks.gpu.model_check             # Llama-3-8B shape, random bf16 weights, on CUDA
+    python -m benchmarks.gpu.model_check --smoke     # tiny shapes on CPU (eager stand-in for graphs)
 
 A. The 8B shape (hidden 4096, intermediate 14336, 32/8 heads, 32 layers, vocab 128256, routed
    layers 16-31), transformed with RandomSkip(0.5) and with a FlexiDepth of random router/adapter
    weights (hard and soft gate), Config(execution="routed", static_shapes=True, check_sync=True):
    per batch size a prompt is prefilled eagerly, one decode step is captured (the host-sync guard on
    during capture) and replayed `--steps` times, each on the previous replay's greedy tokens; each
-   replay's logits are checked against the eager step on the same inputs (the bf16 tolerance of
-   tests/conftest.py), and the route decisions must change between replays.
+   replay's logits are checked against the eager step on the same inputs (the tests' bf16
+   tolerance, `TOL`), and the route decisions must change between replays.
 B. A small model in fp32, each skipper: the greedy tokens of the captured decode against
    `vskipper.reference.reference_generate` (full recompute, no cache), sequence by sequence.
-Prints one markdown table per part (and writes them to --out); exits 1 if any check failed.
+Prints one markdown table per part (and writes them to --out, results.json); exits 1 if any check failed.
 """
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ import argparse
 import os
 import sys
 import traceback
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+from benchmarks import results as R
+
 SKIPPERS = ("random", "flexidepth-hard", "flexidepth-soft")
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.model_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="8b", help="8b, tiny, or hidden,intermediate,heads,kv_heads,layers,vocab")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens prefilled before the captured decode")
@@ -38,7 +38,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--small-shape", default="256,512,8,4,6,512", help="the fp32 model of part B")
     p.add_argument("--small-batch", type=int, default=4)
     p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"], help="Config.impl")
-    p.add_argument("--out", type=Path, help="also write the tables here")
+    R.add_arguments(p, "gpu-model")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks that the script runs")
     a = p.parse_args(argv)
     if a.smoke:
@@ -51,10 +51,12 @@ ARGS = parse() if __name__ == "__main__" else None
 import torch  # noqa: E402
 
 import vskipper  # noqa: E402
+from benchmarks.gpu import harness as G  # noqa: E402
 from vskipper.reference import reference_generate  # noqa: E402
 
-import gpu_harness as G  # noqa: E402
-from conftest import TOL  # noqa: E402  (the tests' tolerance table: one per dtype)
+# A replay against the eager step, per dtype (atol, rtol): the tolerances the tests hold the same
+# comparisons to (bf16 on a GPU, fp32 in the --smoke run).
+TOL = {torch.float32: (2e-5, 2e-4), torch.bfloat16: (2e-2, 2e-2)}
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
@@ -116,11 +118,10 @@ def part_a(args, device, dtype) -> tuple[str, bool]:
     P, S = args.prompt, args.steps
     kv = G.PoolKV(shape, max(args.batches) * (P + S + 1), device, dtype)
     atol, rtol = TOL[dtype]
-    lines = [f"A. {shape} in {dtype}, routed layers {shape.routed[0]}-{shape.routed[-1]}, prompt {P}, {S} replays "
-             f"per graph, Config(execution='routed', static_shapes=True, check_sync=True, impl={args.impl!r}); "
-             f"logits vs the eager step within atol={atol}, rtol={rtol}\n",
-             "| skipper | B | body | replays close to eager | max abs diff | routes changed | greedy equal | "
-             "RUN rows per replay (first layers) | check |", "|---|---|---|---|---|---|---|---|---|"]
+    head = (f"A. {shape} in {dtype}, routed layers {shape.routed[0]}-{shape.routed[-1]}, prompt {P}, {S} replays "
+            f"per graph, Config(execution='routed', static_shapes=True, check_sync=True, impl={args.impl!r}); "
+            f"logits vs the eager step within atol={atol}, rtol={rtol}")
+    rows = []
     all_ok = True
     gen = torch.Generator().manual_seed(0)
     for name in args.skippers:
@@ -134,20 +135,24 @@ def part_a(args, device, dtype) -> tuple[str, bool]:
             except Exception as e:  # a failure is a row of the table, and the exit status
                 traceback.print_exc()
                 all_ok = False
-                lines.append(f"| {name} | {B} | {body} | - | - | - | - | - | FAILED: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:120]} |")
+                rows.append([name, B, body, "-", "-", "-", "-", "-", failure(e)])
                 continue
             all_ok &= r["ok"]
             runs = "; ".join(",".join(map(str, s[:4])) for s in r["runs"][:3])
-            lines.append(f"| {name} | {B} | {body} | {'yes' if r['close'] else 'NO'} | {r['worst']:.3g} | "
-                         f"{'yes' if r['changed'] else 'NO'} | {r['agree']}/{S} | {runs} | "
-                         f"{'ok' if r['ok'] else 'FAILED'} |")
-            print(lines[-1], file=sys.stderr, flush=True)
+            rows.append([name, B, body, "yes" if r["close"] else "NO", f"{r['worst']:.3g}",
+                         "yes" if r["changed"] else "NO", f"{r['agree']}/{S}", runs, "ok" if r["ok"] else "FAILED"])
+            print(*rows[-1], sep=" | ", file=sys.stderr, flush=True)
         del model
     del base, kv
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return "\n".join(lines), all_ok
+    return head + "\n\n" + R.table(["skipper", "B", "body", "replays close to eager", "max abs diff", "routes changed",
+                                     "greedy equal", "RUN rows per replay (first layers)", "check"], rows), all_ok
+
+
+def failure(e: Exception) -> str:
+    """A failed check's cell: the exception's type and first line."""
+    return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
 def widen(model, std: float = 0.15):
@@ -164,8 +169,7 @@ def part_b(args, device) -> tuple[str, bool]:
     base = widen(G.build_llama(shape, device, torch.float32, seed=1))
     P, S, B = args.prompt, args.steps + 2, args.small_batch
     kv = G.PoolKV(shape, B * (P + S + 1), device, torch.float32)
-    lines = [f"B. {shape} in fp32: greedy tokens of the captured decode vs reference_generate (full recompute)\n",
-             "| skipper | B | new tokens | sequences equal | check |", "|---|---|---|---|---|"]
+    rows = []
     all_ok = True
     gen = torch.Generator().manual_seed(1)
     for name in args.skippers:
@@ -184,14 +188,15 @@ def part_b(args, device) -> tuple[str, bool]:
             equal = sum(int(torch.equal(got[b], reference_generate(base, skipper, ids[b], S)[0].cpu()))
                         for b in range(B))
             ok = equal == B
-            lines.append(f"| {name} | {B} | {S} | {equal}/{B} | {'ok' if ok else 'FAILED'} |")
+            rows.append([name, B, S, f"{equal}/{B}", "ok" if ok else "FAILED"])
         except Exception as e:
             traceback.print_exc()
             ok = False
-            lines.append(f"| {name} | {B} | {S} | - | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]} |")
+            rows.append([name, B, S, "-", failure(e)])
         all_ok &= ok
-        print(lines[-1], file=sys.stderr, flush=True)
-    return "\n".join(lines), all_ok
+        print(*rows[-1], sep=" | ", file=sys.stderr, flush=True)
+    return (f"B. {shape} in fp32: greedy tokens of the captured decode vs reference_generate (full recompute)\n\n"
+            + R.table(["skipper", "B", "new tokens", "sequences equal", "check"], rows)), all_ok
 
 
 def main() -> int:
@@ -206,9 +211,7 @@ def main() -> int:
     text_b, ok_b = part_b(args, device)
     text = f"{G.device_line()}\n\n{text_a}\n\n{text_b}\n"
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    R.write_results("gpu-model", {"passed": ok_a and ok_b, "args": vars(args)}, text, args.out, R.docs_dir(args))
     return 0 if ok_a and ok_b else 1
 
 

@@ -1,0 +1,1 @@
+"""The GPU check (gpu_check.sh) and what it runs: the model under CUDA graphs, decode, kernel timings."""
