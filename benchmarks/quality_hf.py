@@ -1,6 +1,6 @@
 """Quality of a trained skipper against the base model and RandomSkip at the same skip ratio.
 
-    python bench/quality.py [--quick] [--skipper DIR|NAME] [--checkpoint DIR] [--out results.json]
+    python -m benchmarks.quality_hf [--quick] [--skipper DIR|NAME] [--checkpoint DIR] [--out results.json]
 
 For the base model (SmolLM2-135M-Instruct), the trained skipper (default: the one shipped in the
 package, joined with the base by vskipper.training.shipped.build_checkpoint and loaded with
@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 import vskipper
-from vskipper.bench.report import last_integer, prefix_share  # a reply's answer; greedy agreement
+from benchmarks.results import table
+from benchmarks.serving.report import last_integer, prefix_share  # a reply's answer; greedy agreement
 from vskipper.data import load
 from vskipper.training.data import chat_ids, generate_greedy, right_pad, split_prompts
 
@@ -157,12 +158,10 @@ def main(argv=None) -> None:
           f"{args.max_new_tokens} new tokens max; routed layers {layers[0]}..{layers[-1]}; "
           f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU x{torch.get_num_threads()} threads, f32, "
           f"{time.perf_counter() - t_start:.0f} s\n")
-    print("| model | skip (held-out) | top-1 agree | mean KL (nats) | greedy prefix agree | arithmetic acc "
-          "| skip (arithmetic) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {label[r.name]} | {pct(r.skip_heldout)} | {pct(r.top1)} | {r.kl:.4f} | {pct(r.prefix)} | "
-              f"{pct(r.acc)} ({r.correct}/{r.questions}) | {pct(r.skip_arith)} |")
+    print(table(["model", "skip (held-out)", "top-1 agree", "mean KL (nats)", "greedy prefix agree", "arithmetic acc",
+                 "skip (arithmetic)"],
+                [[label[r.name], pct(r.skip_heldout), pct(r.top1), f"{r.kl:.4f}", pct(r.prefix),
+                  f"{pct(r.acc)} ({r.correct}/{r.questions})", pct(r.skip_arith)] for r in results]))
     if args.out:
         Path(args.out).write_text(json.dumps({"checkpoint": str(ckpt), "args": vars(args),
                                               "results": [asdict(r) for r in results]}, indent=2))
