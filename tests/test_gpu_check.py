@@ -85,9 +85,8 @@ def test_ideal_model():
 def test_full_mask_step_takes_the_unmasked_attention_and_matches(monkeypatch):
     """benchmarks/gpu/decode.py times Step(full=True): SDPA without a mask (GQA left to SDPA); it must
     compute what the masked step computes, for the base model and a transformed one."""
-    from benchmarks.gpu import harness as G
-
     import vskipper
+    from benchmarks.gpu import harness as G
 
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention

@@ -37,9 +37,21 @@ from pathlib import Path
 from benchmarks import results as R
 from benchmarks.results import log
 from benchmarks.serving.servers import Server, System, start, stop
-from benchmarks.serving.soak_traffic import (PROBE_NEW, Job, Outcome, RssSampler, idle_answers, long_prompt,
-                                             mean_new_tokens, mixed_jobs, probe_jobs, probe_set, run_jobs,
-                                             shipped_prompts, tree_rss)
+from benchmarks.serving.soak_traffic import (
+    PROBE_NEW,
+    Job,
+    Outcome,
+    RssSampler,
+    idle_answers,
+    long_prompt,
+    mean_new_tokens,
+    mixed_jobs,
+    probe_jobs,
+    probe_set,
+    run_jobs,
+    shipped_prompts,
+    tree_rss,
+)
 
 DEFAULT_SKIPPER = "random:rate=0.5,layers=15-29,seed=0"
 RSS_TOLERANCE = 0.10
