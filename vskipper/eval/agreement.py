@@ -1,8 +1,9 @@
 """Agreement with the base model on held-out chat prompts.
 
     PROMPT_SETS       the held-out prompt sets: "everyday" (60 hand-written prompts, never templated,
-                      never trained on) and "chat" (the held-out split of the templated chat set:
-                      ids whose number % 5 == 0, vskipper/training/data.py split_prompts)
+                      never trained on), "chat" (the held-out split of the templated chat set: ids
+                      whose number % 5 == 0, vskipper/training/data.py split_prompts) and "prompts"
+                      (the held-out split of the word-problem set, 80 prompts: bench/quality.py's)
     heldout_prompts   their records, in order
     teacher_forced    top-1 agreement and KL(base || model) over the base's greedy answer tokens,
                       in-process with transformers, per prompt
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-PROMPT_SETS = ("everyday", "chat")
+PROMPT_SETS = ("everyday", "chat", "prompts")
 
 
 def heldout_prompts(sets: list[str], limit: int | None = None) -> list[dict]:
@@ -32,7 +33,7 @@ def heldout_prompts(sets: list[str], limit: int | None = None) -> list[dict]:
     for name in sets:
         if name not in PROMPT_SETS:
             raise ValueError(f"no held-out prompt set {name!r}; expected {', '.join(PROMPT_SETS)}")
-        recs = load("everyday") if name == "everyday" else split_prompts(load("chat"))[1]
+        recs = load("everyday") if name == "everyday" else split_prompts(load(name))[1]
         out += recs[:limit] if limit else recs
     return out
 

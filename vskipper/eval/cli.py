@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                              "stock model, else the bundled SmolLM2-135M-Instruct")
     b.add_argument("--agreement-prompts", default="everyday",
                    help=f"held-out prompt sets, comma-separated, from {', '.join(PROMPT_SETS)} (default %(default)s: "
-                        f"60 hand-written prompts; chat: the held-out split of the chat set, 433 prompts)")
+                        f"60 hand-written prompts; chat: the held-out split of the chat set, 433 prompts; prompts: "
+                        f"the held-out word problems, 80, as bench/quality.py)")
     b.add_argument("--max-new-tokens", type=int, default=48, help="greedy answer length for the agreement metrics "
                                                                   "(default %(default)s; stops earlier at the end of "
                                                                   "sequence)")
@@ -270,6 +271,10 @@ def _run(args: argparse.Namespace, plan: dict, log: _Log, servers: list) -> dict
 
     # --- lm-eval ---------------------------------------------------------------------------------
     if plan["tasks"]:
+        import asyncio
+
+        import aiohttp
+
         from vskipper.eval.harness import command_line, prepare_tasks, run_tasks
 
         t = time.perf_counter()
@@ -284,7 +289,7 @@ def _run(args: argparse.Namespace, plan: dict, log: _Log, servers: list) -> dict
                                          plan["tasks"], task_dir, limit=args.limit,
                                          num_concurrent=args.num_concurrent, max_gen_toks=args.max_gen_toks,
                                          samples_dir=out_dir)
-        except OSError as e:
+        except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise srv.EvalError(f"lm-eval lost the server at {model_root}: {type(e).__name__}: {e}") from None
         timings["lm_eval"] = log.since(t)
         log(f"lm-eval: done in {timings['lm_eval']:.0f} s")

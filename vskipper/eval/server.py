@@ -166,6 +166,16 @@ class Server:
             self._store.unlink(missing_ok=True)
 
 
+class _ServeArgs(argparse.Namespace):
+    """`vskipper serve`'s parsed flags as serve_command reads them: the ones given here, and None (what
+    argparse gives a flag left out) for every other, including flags added to `vskipper serve` later."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 def start_server(name: str, *, model_path: str | None, skipper: str | None, execution: str | None = None,
                  sglang_args: str = "", log_dir: Path, timeout: float = 600.0, log=None) -> Server:
     """launch_server, then wait until /health answers (the server stopped if it does not)."""
@@ -192,7 +202,7 @@ def launch_server(name: str, *, model_path: str | None, skipper: str | None, exe
     port = free_port()
     if "--sleep-on-idle" not in extra:  # an idle server (the base, while the model works) stays off the CPU
         extra.append("--sleep-on-idle")
-    ns = argparse.Namespace(skipper=skipper, model_path=model_path, execution=execution, stats_interval=None)
+    ns = _ServeArgs(skipper=skipper, model_path=model_path, execution=execution)
     cmd = serve_command(ns, ["--port", str(port), *extra])
     env = ns._env
     # serve_command names the rendezvous file after this process (which `vskipper serve` replaces by
