@@ -35,9 +35,17 @@ def main(path: str, out: str) -> None:
         batch.prepare_for_decode()
         fb = ForwardBatch.init_new(batch, mr, return_hidden_states_before_norm=False)
         vskipper.stats(model, reset=True)
+        from vskipper.engines.sglang import SGLangAttention
+
+        calls = set()  # which of the attention part's methods the real step calls
+        for name in ("attend_all", "attend_rows", "attend_masked"):
+            method = getattr(SGLangAttention, name)
+            setattr(SGLangAttention, name, lambda self, *a, _n=name, _m=method: calls.add(_n) or _m(self, *a))
         with torch.no_grad():
             real = mr.forward(fb).logits_output.next_token_logits.clone()
         result["real"] = vskipper.stats(model, reset=True)
+        result["attention_calls"] = sorted(calls)
+        result["explain"] = vskipper.explain(model)
 
         def padded(count, pad_slot=0):
             p = copy.copy(fb)

@@ -20,7 +20,7 @@ def main(path: str, out: str) -> None:
 
     import vskipper
     from benchmarks.step.runner import with_model_runner
-    from vskipper.models.sglang import SGLangAttention
+    from vskipper.engines.sglang import SGLangAttention
 
     seen = []
     prepare = SGLangAttention._prepare_rows
@@ -31,7 +31,8 @@ def main(path: str, out: str) -> None:
         diff = lambda a, b: (a.reshape(b.shape) - b).abs().max().item()  # noqa: E731
         seen.append({"layer": self.self_attn.attn.layer_id, "rows": rows.numel(), "T": x.shape[0],
                      "q": diff(q[rows], rq[rows]), "k": diff(k, rk), "v": diff(v, rv),
-                     "q_off_rows_zero": bool((q.reshape(x.shape[0], -1).abs().sum(-1) == 0).sum() == x.shape[0] - rows.numel())})
+                     "q_off_rows_zero": bool((q.reshape(x.shape[0], -1).abs().sum(-1) == 0).sum()
+                                             == x.shape[0] - rows.numel())})
         return q, k, v
 
     SGLangAttention._prepare_rows = watched

@@ -10,9 +10,8 @@ from safetensors.torch import load_file, save_file
 import vskipper
 from vskipper.models.hf_loader import save_checkpoint
 
-from conftest import assert_equal
+from helpers import assert_equal, greedy, prompts
 from tiny import flexidepth_for, tiny_llama, tiny_qwen3, transformed
-from test_transform import greedy, prompts
 
 
 @pytest.fixture(params=["llama", "qwen3"])
@@ -20,8 +19,9 @@ def ckpt(request, tmp_path):
     base = tiny_llama() if request.param == "llama" else tiny_qwen3()
     sk = flexidepth_for(base, [1, 3, 4], gate="soft" if request.param == "llama" else "hard")
     path = tmp_path / "ckpt"
-    config = json.loads((save_checkpoint(path, base, sk, model_type="dd" + request.param,
-                                         auto_map={"AutoConfig": "configuration_dd.DDConfig"}) / "config.json").read_text())
+    saved = save_checkpoint(path, base, sk, model_type="dd" + request.param,
+                            auto_map={"AutoConfig": "configuration_dd.DDConfig"})
+    config = json.loads((saved / "config.json").read_text())
     config.pop("gate_mode")  # the architecture's default gate must apply
     (path / "config.json").write_text(json.dumps(config))
     return path, base, sk
@@ -50,7 +50,8 @@ def _edit_tensors(path, fn):
 def test_missing_router_tensor(ckpt):
     path, _, _ = ckpt
     _edit_tensors(path, lambda t: t.pop("model.layers.3.router.router_dec.weight"))
-    with pytest.raises(ValueError, match=r"missing skipper tensor 'model.layers.3.router.router_dec.weight' \(expected shape \[\d+, \d+\]\)"):
+    with pytest.raises(ValueError, match=r"missing skipper tensor 'model.layers.3.router.router_dec.weight' "
+                                         r"\(expected shape \[\d+, \d+\]\)"):
         vskipper.from_pretrained(path)
 
 
@@ -67,7 +68,8 @@ def test_wrong_shape(ckpt):
     def bad(t):
         t["model.layers.1.router.router_head.weight"] = torch.zeros(2, 7)
     _edit_tensors(path, bad)
-    with pytest.raises(ValueError, match=r"'model.layers.1.router.router_head.weight' has shape \[2, 7\], expected \[1, \d+\]"):
+    with pytest.raises(ValueError,
+                       match=r"'model.layers.1.router.router_head.weight' has shape \[2, 7\], expected \[1, \d+\]"):
         vskipper.from_pretrained(path)
 
 
@@ -93,7 +95,8 @@ def test_pickled_weights_are_refused(ckpt):
     path, _, _ = ckpt
     (path / "model.safetensors").unlink()
     torch.save({"x": torch.zeros(1)}, path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"holds only pickled weights \['pytorch_model.bin'\]; vskipper loads safetensors only"):
+    with pytest.raises(ValueError,
+                       match=r"holds only pickled weights \['pytorch_model.bin'\]; vskipper loads safetensors only"):
         vskipper.from_pretrained(path)
 
 
@@ -137,7 +140,8 @@ def test_bad_config_fields(ckpt, edit, msg):
 def test_expected_run_fraction_is_read_and_written(ckpt, tmp_path):
     path, base, _ = ckpt
     cfg = json.loads((path / "config.json").read_text())
-    assert "expected_run_fraction" not in cfg and vskipper.FlexiDepth.from_pretrained(path).expected_run_fraction is None
+    assert "expected_run_fraction" not in cfg
+    assert vskipper.FlexiDepth.from_pretrained(path).expected_run_fraction is None
     cfg["expected_run_fraction"] = 0.7
     (path / "config.json").write_text(json.dumps(cfg))
     sk = vskipper.FlexiDepth.from_pretrained(path)

@@ -12,9 +12,8 @@ from vskipper import cost
 from vskipper.calibrate import measure
 from vskipper.routed_layer import AutoBody
 
-from conftest import assert_equal
+from helpers import assert_equal, fast_decisions, greedy, left_pad, prompts
 from tiny import flexidepth_for, record_routes, synthetic_calibration, tiny_llama, transformed
-from test_transform import fast_decisions, greedy, left_pad, prompts
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +79,7 @@ def test_dense_routed_auto_same_decisions_and_tokens():
         decisions[body] = {l: [fast_decisions(calls, l, b, ids.shape[1] - len(p)) for b, p in enumerate(seqs)]
                            for l in sk.layers}
         if body == "auto":
-            assert isinstance(m.model._vskipper_stack.routed.get_submodule("1").body, AutoBody)
+            assert isinstance(m.vskipper.graphs[0].routed.get_submodule("1").body, AutoBody)
     for body in ("routed", "routed-mlp", "auto"):
         assert_equal(outs[body], outs["dense"], f"{body} vs dense tokens")
         for l in sk.layers:
@@ -95,7 +94,7 @@ def test_auto_uses_all_three_bodies_as_the_model_predicts():
 
     def watched(rate):
         m = transformed(base, vskipper.RandomSkip(rate, [2]), "auto")
-        chooser = m.model._vskipper_stack.routed.get_submodule("2").body.chooser
+        chooser = m.vskipper.graphs[0].routed.get_submodule("2").body.chooser
         orig = chooser.choose
         chooser.choose = lambda T, counts, *a: seen.append((T, orig(T, counts, *a))) or seen[-1][1]
         return m
@@ -110,7 +109,8 @@ def test_auto_uses_all_three_bodies_as_the_model_predicts():
 
 def test_no_calibration_runs_dense_with_one_warning():
     base = tiny_llama()
-    with pytest.warns(UserWarning, match=r"no cost calibration for .*runs the dense-masked body.*vskipper calibrate --shape 40,72"):
+    with pytest.warns(UserWarning,
+                      match=r"no cost calibration for .*runs the dense-masked body.*vskipper calibrate --shape 40,72"):
         m = transformed(base, vskipper.RandomSkip(0.5, [1, 2]), "auto")
     assert {b.name for b in m.vskipper.bodies.values()} == {"dense"}
     assert "without a cost calibration" in vskipper.explain(m)
@@ -191,6 +191,36 @@ def test_auto_plans_captured_graphs_from_the_declared_fraction_and_keeps_state_p
     assert chooser.current == {(True, 16): "dense", (False, 16): "routed"}
 
 
+class LandingEvent:
+    """A stand-in for torch.cuda.Event: its copies have landed when the test says so (the accelerator
+    branch of Chooser, run on CPU tensors: the same code, pinned buffer and event aside)."""
+
+    landed = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return LandingEvent.landed
+
+
+def test_device_counts_are_read_a_step_late_per_phase_over_their_own_T():
+    """On an accelerator the chooser never waits: a step's counts are read at a later step of the same
+    phase, divided by the T they were counted over (a prefill step's count never reaches decode)."""
+    chooser = cost.Chooser(synthetic(), expected=0.5, event=LandingEvent)
+    LandingEvent.landed = False
+    chooser.choose(16, torch.tensor([2, 14], dtype=torch.int32), decode=True, on_host=False)
+    chooser.choose(512, torch.tensor([500, 12], dtype=torch.int32), decode=False, on_host=False)
+    assert chooser.fraction == {}  # nothing has landed: both phases plan with the declared 0.5
+    LandingEvent.landed = True
+    chooser.choose(8, torch.tensor([8, 0], dtype=torch.int32), decode=True, on_host=False)
+    assert chooser.fraction == {True: 2 / 16}  # decode's own copy, over its own T, not 500 / 8
+    chooser.choose(256, torch.tensor([0, 256], dtype=torch.int32), decode=False, on_host=False)
+    assert chooser.fraction == {True: 2 / 16, False: 500 / 512}
+    chooser.choose(16, torch.tensor([16, 0], dtype=torch.int32), decode=True, on_host=False)
+    assert chooser.fraction[True] == pytest.approx(0.5 * 8 / 8 + 0.5 * 2 / 16)  # EMA of the steps seen
+
+
 def test_explain_shows_auto_s_graph_plan():
     cost.save(synthetic())
     m = transformed(tiny_llama(), vskipper.RandomSkip(0.75, [2]), "auto")
@@ -211,7 +241,8 @@ def test_calibrate_threads_flag(monkeypatch, capsys):
     from vskipper import calibrate
 
     seen = []
-    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: (seen.append(cost.device_name("cpu")) or synthetic(), None))
+    monkeypatch.setattr(calibrate, "measure",
+                        lambda *a, **k: (seen.append(cost.device_name("cpu")) or synthetic(), None))
     threads = torch.get_num_threads()
     try:
         calibrate.main(["--shape", "40,72", "--threads", "1"])
@@ -241,7 +272,8 @@ def test_calibrate_max_batch_limits_the_decode_grid_only(monkeypatch, capsys, tm
 
     monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path))
     seen = []
-    monkeypatch.setattr(calibrate, "measure", lambda *a, phase, ts=None, **k: (seen.append((phase, ts)), (synthetic(), None))[1])
+    monkeypatch.setattr(calibrate, "measure",
+                        lambda *a, phase, ts=None, **k: (seen.append((phase, ts)), (synthetic(), None))[1])
     calibrate.main(["--shape", "40,72", "--max-batch", "64"])
     assert seen == [("decode", (1, 2, 4, 8, 16, 32, 64)), ("prefill", None)]
     with pytest.raises(SystemExit):

@@ -1,8 +1,8 @@
 """The grouped-execution kernels: each Triton kernel against its torch reference (under
 TRITON_INTERPRET=1 on CPU, at tiny shapes), each reference against a plain loop that states the
 op's contract, the fused epilogue against the gate arithmetic (skippers/base.py), the dynamic
-(CPU) attention against the fixed-shape one, and the torch path at larger shapes. The custom-op layer (opcheck, dispatch, configs, compile, CUDA graphs) is tested in
-test_ops_compile.py.
+(CPU) attention against the fixed-shape one, and the torch path at larger shapes. The custom-op
+layer (opcheck, dispatch, configs, compile, CUDA graphs) is tested in test_ops_compile.py.
 
 Legend: T = rows, H = hidden, I = MLP width, R = map length, B = decode rows.
 """
@@ -21,7 +21,7 @@ from vskipper.triton_kernels import masked_decode_attention as MA
 from vskipper.triton_kernels import route_maps as RM
 from vskipper.triton_kernels._common import HAS_TRITON, interpreted
 
-from conftest import assert_close, assert_equal
+from helpers import assert_close, assert_equal
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_RUNS = HAS_TRITON and (DEVICE.type == "cuda" or interpreted(RM._compact_kernel))
@@ -59,7 +59,7 @@ def routings(draw, max_t: int = 40):
 
 def maps_for(run, valid, rows_dtype=torch.int32, which=0, scalar_count=False):
     """rows [T] and count ([1] or []) of RUN (which=0) or PROJECT (1) rows, from the torch reference."""
-    maps = RM.reference(run, valid)
+    maps = RM.torch_op(run, valid)
     rows = maps[which].to(rows_dtype)
     count = maps[2][which] if scalar_count else maps[2][which:which + 1]
     return rows.to(DEVICE), count.to(DEVICE)
@@ -131,7 +131,7 @@ def check_maps(maps, run, valid):
 @example((torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)))
 def test_route_maps_reference(rv):
     run, valid = rv
-    check_maps(RM.reference(run.to(DEVICE), None if valid is None else valid.to(DEVICE)), run, valid)
+    check_maps(RM.torch_op(run.to(DEVICE), None if valid is None else valid.to(DEVICE)), run, valid)
 
 
 @needs_triton
@@ -153,7 +153,7 @@ def test_route_maps_kernel_multi_block(T, with_valid):
     valid = (torch.rand(T, generator=g) < 0.9) if with_valid else None
     maps = RM.launch(run.to(DEVICE), None if valid is None else valid.to(DEVICE))
     check_maps(maps, run, valid)
-    ref = RM.reference(run, valid)
+    ref = RM.torch_op(run, valid)
     assert_equal(maps[0].cpu(), ref[0], "kernel and reference partition alike")
 
 
@@ -191,13 +191,13 @@ def test_grouped_swiglu(rv, H, I, dtype, seed, strided, mode, which):
         fn(out, out if mode == "alias" else residual, x, rows, count, wg, wu, wd, weight)
         return out
 
-    ref = run_impl(GS.reference)
+    ref = run_impl(GS.torch_op)
     n = n_of(count)
     r = rows.cpu()[:n].long()
     ys = torch.zeros(T, H, dtype=dtype)
     ys[:n] = spec_swiglu_rows(x.cpu()[r], wg.cpu(), wu.cpu(), wd.cpu())
     res = out0.cpu() if mode == "alias" else residual.cpu()
-    assert_close(ref.cpu(), spec_scatter(out0.cpu(), res, ys, rows.cpu(), count.cpu(), cpu(weight)), "reference vs spec")
+    assert_close(ref.cpu(), spec_scatter(out0.cpu(), res, ys, rows.cpu(), count.cpu(), cpu(weight)), "torch_op vs spec")
     if TRITON_RUNS:
         got = run_impl(GS.launch)
         assert_close(got, ref, "kernel vs reference")
@@ -214,11 +214,11 @@ def test_grouped_swiglu_epilogue_is_the_gate_arithmetic(impl, soft):
     T, H, I = 11, 24, 40
     g = torch.Generator().manual_seed(7)
     h, h1, x = (randn(T, H, dtype=torch.float32, g=g) for _ in range(3))
-    wg, wu = randn(I, H, dtype=torch.float32, g=g, scale=H ** -0.5), randn(I, H, dtype=torch.float32, g=g, scale=H ** -0.5)
+    wg, wu = (randn(I, H, dtype=torch.float32, g=g, scale=H ** -0.5) for _ in range(2))
     wd = randn(H, I, dtype=torch.float32, g=g, scale=I ** -0.5)
     gate = torch.rand(T, generator=g).to(DEVICE)
     run = (gate > 0.5).cpu()
-    run_rows, proj_rows, counts = (m.to(DEVICE) for m in RM.reference(run, None))
+    run_rows, proj_rows, counts = (m.to(DEVICE) for m in RM.torch_op(run, None))
     y = spec_swiglu_rows(x, wg, wu, wd)  # [T, H]
     out = h.clone()
     ops.grouped_swiglu_(out, h1, x, run_rows, counts[0:1], wg, wu, wd, gate if soft else None, impl=impl)
@@ -259,9 +259,9 @@ def decode_batches(draw):
 @FEW
 @given(decode_batches())
 def test_masked_decode_attention(args):
-    ref = MA.reference(*args)
+    ref = MA.torch_op(*args)
     assert_close(ref.cpu(), spec_attention(*(a.cpu() if torch.is_tensor(a) else a for a in args)), "reference vs spec")
-    assert_close(MA.reference_dynamic(*args), ref, "dynamic vs fixed reference")
+    assert_close(MA.torch_op_dynamic(*args), ref, "dynamic vs fixed reference")
     assert_close(ops.masked_decode_attention_dynamic(*args), ref, "public dynamic helper")
     if TRITON_RUNS:
         got = MA.launch(*args)
@@ -274,7 +274,7 @@ def test_masked_decode_attention_zero_length_row_is_zero():
     q, k, v = torch.randn(2, 2, 8), torch.randn(10, 1, 8), torch.randn(10, 1, 8)
     args = (q, k, v, torch.zeros(2, 4, dtype=torch.int32), torch.arange(2), torch.tensor([0, 3]),
             torch.ones(2, dtype=torch.bool), 0.3)
-    for fn in (MA.reference, MA.reference_dynamic) + ((MA.launch,) if TRITON_RUNS and DEVICE.type == "cpu" else ()):
+    for fn in (MA.torch_op, MA.torch_op_dynamic) + ((MA.launch,) if TRITON_RUNS and DEVICE.type == "cpu" else ()):
         o = fn(*args)
         assert_equal(o[0], torch.zeros_like(o[0]), fn.__qualname__)
         assert torch.isfinite(o).all()
@@ -295,7 +295,7 @@ def test_torch_path_larger_shapes(T, H, I):
     n = counts[0:1]
     a, b = h.clone(), h.clone()
     ops.grouped_swiglu_(a, h, x, run_rows, n, wg, wu, wd, gate, impl="torch")
-    GS.reference(b, h, x, run_rows, n, wg, wu, wd, gate)
+    GS.torch_op(b, h, x, run_rows, n, wg, wu, wd, gate)
     assert_equal(a, b, "grouped_swiglu_ is its reference")
     # the same as the dense MLP on the RUN rows, the rest untouched
     m = run & valid

@@ -8,8 +8,7 @@ import pytest
 
 from vskipper.models.hf_loader import save_checkpoint
 
-from sglang_util import engine
-from test_sglang import check_against_reference
+from sglang_util import calibrated_cache, check_against_reference, engine
 from tiny import flexidepth_for, tiny_llama, tiny_qwen3
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -29,8 +28,8 @@ def digests(directory) -> dict[str, list[str]]:
 @pytest.mark.parametrize("family, execution", [("llama", "routed"), ("qwen3", "routed"), ("llama", "dense")])
 def test_tensor_parallel_2_serves_the_reference_and_ranks_route_alike(tmp_path, family, execution):
     path, base, sk = checkpoint(tmp_path, family)
-    with engine(path, engine_args={"tp_size": 2}, VSKIPPER_EXECUTION=execution, VSKIPPER_ROUTE_DIGEST=str(tmp_path / "routes"),
-                **TWO_RANKS) as eng:
+    with engine(path, engine_args={"tp_size": 2}, VSKIPPER_EXECUTION=execution,
+                VSKIPPER_ROUTE_DIGEST=str(tmp_path / "routes"), **TWO_RANKS) as eng:
         check_against_reference(eng, base, sk)
     d = digests(tmp_path / "routes")
     assert set(d) == {"tp0", "tp1"}, d.keys()
@@ -39,7 +38,8 @@ def test_tensor_parallel_2_serves_the_reference_and_ranks_route_alike(tmp_path, 
 
 def test_tensor_parallel_2_fixed_shape_body(tmp_path):
     path, base, sk = checkpoint(tmp_path, "llama")
-    with engine(path, engine_args={"tp_size": 2}, VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES="1", **TWO_RANKS) as eng:
+    with engine(path, engine_args={"tp_size": 2}, VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES="1",
+                **TWO_RANKS) as eng:
         check_against_reference(eng, base, sk)
 
 
@@ -54,7 +54,6 @@ def test_data_parallel_2_serves_the_reference(tmp_path):
 
 def test_stock_model_through_the_hook_with_auto_under_tensor_parallel_2(tmp_path):
     import vskipper
-    from test_sglang import calibrated_cache
 
     base = tiny_llama()
     base.save_pretrained(tmp_path / "stock", safe_serialization=True)

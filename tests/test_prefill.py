@@ -18,7 +18,7 @@ from vskipper.triton_kernels import masked_decode_attention as MA
 from vskipper.triton_kernels import routed_prefill_attention as RP
 from vskipper.triton_kernels._common import HAS_TRITON, interpreted
 
-from conftest import assert_close, assert_equal
+from helpers import assert_close, assert_equal
 from tiny import VOCAB, flexidepth_for, record_routes, tiny_llama, tiny_qwen3, transformed
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,8 +51,8 @@ def extend_batches(draw):
     rpi = torch.randperm(R, generator=g)[:B].to(DEVICE)
     run = {"all": torch.ones(T, dtype=torch.bool), "none": torch.zeros(T, dtype=torch.bool),
            "mixed": torch.rand(T, generator=g) < 0.6}[kind].to(DEVICE)
-    return (q, k, v, req_to_token, rpi, torch.tensor(pre, device=DEVICE), torch.tensor(ext, dtype=torch.int32, device=DEVICE),
-            run, d ** -0.5)
+    return (q, k, v, req_to_token, rpi, torch.tensor(pre, device=DEVICE),
+            torch.tensor(ext, dtype=torch.int32, device=DEVICE), run, d ** -0.5)
 
 
 def as_decode_rows(q, k, v, req_to_token, rpi, pre, ext, run, scale):
@@ -67,10 +67,10 @@ def as_decode_rows(q, k, v, req_to_token, rpi, pre, ext, run, scale):
 @example((torch.zeros(0, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8), torch.zeros(1, 4, dtype=torch.int32),
           torch.tensor([0]), torch.tensor([2]), torch.tensor([0]), torch.zeros(0, dtype=torch.bool), 0.3), 16)
 def test_routed_prefill_attention(args, block_rows):
-    want = MA.reference(*as_decode_rows(*args))
+    want = MA.torch_op(*as_decode_rows(*args))
     saved, RP.BLOCK_ROWS = RP.BLOCK_ROWS, block_rows  # the reference's blocks of RUN rows, at small sizes too
     try:
-        got = RP.reference(*args)
+        got = RP.torch_op(*args)
     finally:
         RP.BLOCK_ROWS = saved
     assert_close(got, want, "reference vs masked decode attention, row by row")
@@ -103,14 +103,14 @@ def test_routed_prefill_attention_cases(impl, case):
     T = sum(ext)
     run = {"none_run": [False] * T, "all_run": [True] * T}.get(case, [i % 3 != 1 for i in range(T)])
     args = batch(pre, ext, run)
-    want = MA.reference(*as_decode_rows(*args))
+    want = MA.torch_op(*as_decode_rows(*args))
     got = ops.routed_prefill_attention(*(a.to(DEVICE) if torch.is_tensor(a) else a for a in args), impl=impl)
     assert_close(got.cpu(), want, case)
     if case == "all_run" and pre == [0]:  # all RUN and no prefix: plain causal attention
         q, k, v = args[0], args[1][:T], args[2][:T]
         full = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1).expand(q.shape[1], -1, -1), v.transpose(0, 1).expand(q.shape[1], -1, -1),
-            is_causal=True, scale=args[-1]).transpose(0, 1)
+            q.transpose(0, 1), k.transpose(0, 1).expand(q.shape[1], -1, -1),
+            v.transpose(0, 1).expand(q.shape[1], -1, -1), is_causal=True, scale=args[-1]).transpose(0, 1)
         assert_close(got.cpu(), full, "all RUN = causal attention")
 
 
@@ -161,7 +161,7 @@ def test_hf_prefill_queries_only_run_rows(family, attn, monkeypatch):
     and the greedy tokens and route decisions are the eager reference's, for one long prompt, a
     left-padded batch, and a second turn that prefills after a cached prefix (DynamicCache); in
     blocks of 16 RUN rows (several per sequence)."""
-    import vskipper.models.hf as hf
+    import vskipper.engines.hf as hf
 
     monkeypatch.setattr(hf, "PREFILL_BLOCK_ROWS", 16)
     base = (tiny_llama if family == "llama" else tiny_qwen3)()
@@ -230,9 +230,9 @@ def test_sglang_routed_prefill_matches_reference(tmp_path, family, execution, st
     """SGLang with --chunked-prefill-size 64: greedy tokens equal the eager reference for prompts whose
     prefill routes (RUN and PROJECT rows at every routed layer), chunked, batched and after radix hits;
     the dynamic body (static 0), the fixed-shape body (static 1, torch ops) and dense."""
-    from sglang_util import engine, greedy
-
     from vskipper.models.hf_loader import save_checkpoint
+
+    from sglang_util import engine, greedy
 
     base = (tiny_llama if family == "llama" else tiny_qwen3)()
     base.config.max_position_embeddings = 1024
@@ -250,13 +250,14 @@ def test_sglang_routed_prefill_matches_reference(tmp_path, family, execution, st
         got = torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]])
         want = torch.log_softmax(reference_forward(base, sk, p)[0].double(), -1)[torch.arange(len(p) - 1), p[1:]]
         worst = (got.double() - want).abs().max().item()
-        assert worst < 1e-3, f"prompt of {len(p)} tokens: prompt log-probabilities differ from the reference by {worst:.3g}"
+        assert worst < 1e-3, f"prompt of {len(p)} tokens: prompt log-probabilities off the reference by {worst:.3g}"
     for p, out in zip(first + second, out1 + out2):
         ref, dec = reference_generate(base, sk, p, SG_NEW)
         for l, d in dec.items():
             runs = int(d[:len(p)].sum())
             assert 0 < runs < len(p), f"layer {l}: the prompt should have RUN and PROJECT rows ({runs}/{len(p)})"
-        assert out == ref[len(p):].tolist(), f"prompt of {len(p)} tokens: sglang {out} != reference {ref[len(p):].tolist()}"
+        want = ref[len(p):].tolist()
+        assert out == want, f"prompt of {len(p)} tokens: sglang {out} != reference {want}"
 
 
 @pytest.mark.sglang
@@ -265,9 +266,9 @@ def test_sglang_prefill_projects_queries_of_run_rows_only(tmp_path, family, stat
     """In an SGLang extend batch a routed layer projects the queries of its RUN rows only (PROJECT
     rows: K and V), and what it computes equals SGLang's own forward_prepare_native: q on the RUN
     rows, k and v on every row (Qwen3: its q/k norms too); the dynamic and the fixed-shape body."""
-    from sglang_util import run_script
-
     from vskipper.models.hf_loader import save_checkpoint
+
+    from sglang_util import run_script
 
     base = (tiny_llama if family == "llama" else tiny_qwen3)()
     sk = flexidepth_for(base, [1, 3, 4], gate="soft" if family == "llama" else "hard")
@@ -325,7 +326,8 @@ def test_transform_with_auto_uses_both_tables_and_says_so(tmp_path, monkeypatch)
     decode, prefill = phase_tables()
     cost.save(decode)
     base, sk = tiny_llama(), vskipper.RandomSkip(0.5, [1, 2])
-    with pytest.warns(UserWarning, match=r"no prefill cost calibration.*vskipper calibrate --phase prefill --shape 40,72"):
+    with pytest.warns(UserWarning,
+                      match=r"no prefill cost calibration.*vskipper calibrate --phase prefill --shape 40,72"):
         m = transformed(base, sk, "auto")
     assert "no prefill calibration: prefill priced by the decode table" in vskipper.explain(m)
     cost.save(prefill)

@@ -2,56 +2,16 @@
 Greedy tokens must equal the eager reference (full recompute, no cache)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import vskipper
 from vskipper.models.hf_loader import save_checkpoint
-from vskipper.reference import reference_generate
 
-from sglang_util import engine, greedy, run_script
+from sglang_util import calibrated_cache, check_against_reference, engine, greedy, prompt_set, run_script
 from tiny import VOCAB, flexidepth_for, tiny_llama, tiny_qwen3
 
 pytestmark = pytest.mark.sglang
-NEW = 16
-
-
-def prompt_set(seed=5):
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(1, VOCAB, (9,), generator=g)
-    first = [torch.randint(1, VOCAB, (n,), generator=g) for n in (3, 17, 1, 8)] + [shared]
-    # second wave: prompts that extend earlier ones, so the radix cache has their prefixes
-    second = [torch.cat([shared, torch.randint(1, VOCAB, (n,), generator=g)]) for n in (2, 6)]
-    second += [torch.cat([first[1], torch.randint(1, VOCAB, (4,), generator=g)]), torch.randint(1, VOCAB, (12,), generator=g)]
-    return first, second
-
-
-def check_against_reference(eng, base, skipper):
-    first, second = prompt_set()
-    out1, _ = greedy(eng, first, NEW)
-    out2, cached = greedy(eng, second, NEW)
-    assert sum(cached) > 0, "the second wave should hit the radix cache"
-    for p, out in zip(first + second, out1 + out2):
-        ref, _ = reference_generate(base, skipper, p, NEW)
-        assert out == ref[len(p):].tolist(), f"prompt of {len(p)} tokens: sglang {out} != reference {ref[len(p):].tolist()}"
-
-
-def calibrated_cache(tmp_path, base) -> dict:
-    """A VSKIPPER_CACHE with a synthetic calibration for this CPU at every thread count (the
-    scheduler process may run another count than the test), so that auto uses both bodies."""
-    from vskipper import cost
-
-    from tiny import synthetic_calibration
-
-    root = tmp_path / "cache"
-    c = base.config
-    for n in range(1, (os.cpu_count() or 1) + 1):
-        torch.set_num_threads(n)
-        cost.save(synthetic_calibration(c.hidden_size, c.intermediate_size), root / "cost")
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    return {"VSKIPPER_CACHE": str(root)}
 
 
 @pytest.mark.parametrize("family, execution", [("llama", "routed"), ("llama", "routed-mlp"), ("llama", "auto"),
@@ -67,7 +27,7 @@ def test_skip_aware_checkpoint(tmp_path, capfd, family, execution):
         check_against_reference(eng, base, sk)
     if env:  # auto ran with the calibration (both bodies), not dense for want of one
         err = capfd.readouterr().err
-        assert "layers 1: auto" in err or "auto: dense-masked or routed" in err, err[-3000:]
+        assert "layer 1: auto: dense-masked (" in err, err[-3000:]
         assert "calibration 'cpu: " in err, err[-3000:]
 
 
@@ -108,7 +68,8 @@ def test_rate_0_is_upstream_on_the_bundled_model():
 
     path = smollm2_dir()
     g = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(1, 49152, (n,), generator=g) for n in (1, 3, 5, 8, 13, 17, 24, 31, 40, 2, 7, 11, 19, 27, 36, 50)]
+    lengths = (1, 3, 5, 8, 13, 17, 24, 31, 40, 2, 7, 11, 19, 27, 36, 50)
+    prompts = [torch.randint(1, 49152, (n,), generator=g) for n in lengths]
     with engine(path) as eng:
         upstream, _ = greedy(eng, prompts, 48)
     with engine(path, VSKIPPER_SKIPPER="random:rate=0,layers=15-29,seed=0", VSKIPPER_EXECUTION="routed") as eng:
@@ -120,7 +81,7 @@ def test_rate_0_is_upstream_on_the_bundled_model():
 def test_valid_rows_come_from_sglangs_count_of_real_tokens():
     from types import SimpleNamespace
 
-    from vskipper.models.sglang import valid_rows
+    from vskipper.engines.sglang_layer import valid_rows
 
     padded = SimpleNamespace(num_token_non_padded=torch.tensor(3, dtype=torch.int32))  # the graph runner's
     assert valid_rows(padded, 5, "cpu").tolist() == [True, True, True, False, False]
@@ -137,6 +98,7 @@ def test_stats_are_read_after_a_step_never_while_capturing(monkeypatch, caplog):
     from sglang.srt.model_executor.runner_utils import capture_mode
 
     from vskipper.integrations.sglang.runtime import StatsReporter
+
     from tiny import transformed
 
     m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 2]), "routed", static_shapes=True, check_sync=True)
@@ -203,3 +165,8 @@ def test_padding_rows_are_never_routed_counted_or_mixed_in(tmp_path, static):
     assert res["padded"] == res["real"] and all(s["tokens"] == 3 for s in res["real"].values()), res
     assert res["padded_without_count"] == res["real"], res
     assert all(s["tokens"] == 4 for s in res["control"].values()), res
+    # what explain says runs is what ran: the routed body's attention for the RUN rows only
+    assert any(s["project"] for s in res["real"].values()), "the step skipped nothing: no routed attention to see"
+    shapes = "fixed shapes (torch ops" if static == "1" else "dynamic shapes"
+    assert f"routed (attention, MLP and adapter for their rows only), {shapes}" in res["explain"], res["explain"]
+    assert res["attention_calls"] == ["attend_masked" if static == "1" else "attend_rows"], res["attention_calls"]

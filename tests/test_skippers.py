@@ -10,9 +10,8 @@ import torch
 import vskipper
 from vskipper.skippers.random_skip import hash_uniform
 
-from conftest import assert_equal
-from tiny import VOCAB, tiny_llama, tiny_qwen3, transformed
-from test_transform import greedy, left_pad, prompts
+from helpers import assert_equal, greedy, left_pad, prompts
+from tiny import VOCAB, flexidepth_for, tiny_llama, tiny_qwen3, transformed
 
 
 def test_random_skip_fraction_matches_rate():
@@ -142,7 +141,8 @@ def test_nonfinite_router_output_runs_the_layer(body):
 
 # --- bad input: each with its message -----------------------------------------------------
 def test_unsupported_model_class():
-    with pytest.raises(TypeError, match=r"unsupported model class .*Linear.*supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(TypeError,
+                       match=r"unsupported model class .*Linear.*supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
         vskipper.transform(torch.nn.Linear(2, 2), vskipper.RandomSkip(0.5, [0]))
 
 
@@ -227,6 +227,24 @@ def test_bad_spec_strings(spec, msg):
     with pytest.raises(ValueError, match=msg) as e:
         vskipper.parse_skipper(spec)
     assert "skipper spec" in str(e.value)
+
+
+def test_flexidepth_threshold_moves_its_decisions_and_only_its():
+    """threshold= in a flexidepth spec: a token RUNs a layer when g > threshold; a higher threshold
+    runs more tokens, the same gates (the router is not touched)."""
+    sk = vskipper.parse_skipper("flexidepth:name=smollm2-135m-flexidepth,threshold=0.7")
+    assert sk.threshold == 0.7 and vskipper.parse_skipper("flexidepth:name=smollm2-135m-flexidepth").threshold == 0.5
+    base = tiny_llama()
+    runs = {}
+    for t in (0.3, 0.5, 0.7):
+        m = transformed(base, flexidepth_for(base, [1, 2, 4], gate="hard", head_scale=2.0, threshold=t), "routed")
+        ids, mask = left_pad(prompts((9, 6)))
+        greedy(m, ids, mask, 4)
+        runs[t] = sum(s["run"] for s in vskipper.stats(m).values())
+    assert runs[0.3] > runs[0.5] > runs[0.7], runs
+    for bad in ("x", "1.5"):
+        with pytest.raises(ValueError, match="threshold"):
+            vskipper.parse_skipper(f"flexidepth:name=smollm2-135m-flexidepth,threshold={bad}")
 
 
 def test_shipped_skipper_by_name():

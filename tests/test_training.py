@@ -12,11 +12,19 @@ import torch
 import vskipper
 from vskipper.models.hf_loader import save_checkpoint
 from vskipper.reference import reference_forward
-from vskipper.training import (TrainConfig, Trainer, greedy, logits_of, make_skipper, skip_forward, warm_start,
-                               write_skipper_dir)
+from vskipper.training import (
+    TrainConfig,
+    Trainer,
+    greedy,
+    logits_of,
+    make_skipper,
+    skip_forward,
+    warm_start,
+    write_skipper_dir,
+)
 from vskipper.training.data import Batcher, build_targets, split_prompts
 
-from conftest import assert_close, assert_equal
+from helpers import assert_close, assert_equal
 from tiny import VOCAB, record_routes, tiny_llama
 
 LAYERS = (2, 3, 4, 5)
@@ -310,12 +318,14 @@ def test_cli_rejects_bad_input(model_dir, tmp_path, capsys, flags, message):
 def test_shipped_checkpoint_serves_in_sglang(tmp_path):
     """The shipped skipper joined with SmolLM2 by build_checkpoint: SGLang (DDLlamaForCausalLM)
     gives the greedy tokens of vskipper.from_pretrained + generate."""
-    from sglang_util import engine, greedy as sgl_greedy
     from transformers import AutoTokenizer
 
     from vskipper.data import load
     from vskipper.training.data import chat_ids
     from vskipper.training.shipped import build_checkpoint
+
+    from sglang_util import engine
+    from sglang_util import greedy as sgl_greedy
 
     path = build_checkpoint()
     tok = AutoTokenizer.from_pretrained(str(path))

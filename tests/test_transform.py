@@ -6,14 +6,12 @@ import torch
 
 import vskipper
 from vskipper.reference import reference_forward, reference_generate
-from vskipper.skippers.base import sanitize_gate
 
-from conftest import assert_close, assert_equal
-from tiny import VOCAB, flexidepth_for, record_routes, synthetic_calibration, tiny_llama, tiny_qwen3, transformed
+from helpers import NEW_TOKENS, assert_close, assert_equal, fast_decisions, greedy, left_pad, prompts
+from tiny import flexidepth_for, record_routes, synthetic_calibration, tiny_llama, tiny_qwen3, transformed
 
 FAMILIES = {"llama": (tiny_llama, "soft"), "qwen3": (tiny_qwen3, "hard")}
 BODIES = ("dense", "routed", "routed-mlp", "auto")
-NEW_TOKENS = 24
 
 
 @pytest.fixture(autouse=True)
@@ -24,25 +22,6 @@ def _own_calibration(tmp_path, monkeypatch):
     monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
     for hidden, inter in ((40, 72), (36, 50)):  # tiny_llama, tiny_qwen3
         cost.save(synthetic_calibration(hidden, inter))
-
-
-def prompts(lengths=(5, 11, 1), seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-
-
-def left_pad(seqs):
-    L = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), L, dtype=torch.long)
-    mask = torch.zeros(len(seqs), L, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, L - len(s):], mask[b, L - len(s):] = s, 1
-    return ids, mask
-
-
-def greedy(model, ids, mask=None, n=NEW_TOKENS):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
 # --- a skipper that skips nothing reproduces the model bit for bit --------------------------
@@ -71,12 +50,12 @@ def test_skipping_nothing_is_the_base_model(family, body, kind):
 def test_a_step_where_every_row_runs_is_the_engine_layer(body, monkeypatch):
     """When every row of a step runs, the routed bodies run the decoder layer as the engine computes
     it: the engine's attention for all rows, no gathers (their row-subset attention never called)."""
-    from vskipper.models.hf import HFAttention
+    from vskipper.engines.hf import HFAttention
 
     subset = []
-    some_rows = HFAttention.some_rows
-    monkeypatch.setattr(HFAttention, "some_rows", lambda self, x, rows, ctx: subset.append(rows.numel())
-                        or some_rows(self, x, rows, ctx))
+    attend_rows = HFAttention.attend_rows
+    monkeypatch.setattr(HFAttention, "attend_rows", lambda self, x, rows, ctx: subset.append(rows.numel())
+                        or attend_rows(self, x, rows, ctx))
     base = tiny_llama()
     m = transformed(base, vskipper.RandomSkip(0.0, [1, 2, 4]), body)
     ids = prompts((9,))[0][None]
@@ -88,13 +67,6 @@ def test_a_step_where_every_row_runs_is_the_engine_layer(body, monkeypatch):
 
 
 # --- a real skipper matches the eager reference ---------------------------------------------
-def fast_decisions(calls, layer, b=0, pad=0):
-    """Route decisions of sequence b from the recorded router outputs (prefill, then 1 per step)."""
-    outs = calls[layer]
-    seq = [outs[0][b, pad:]] + [o[b, -1:] for o in outs[1:]]
-    return sanitize_gate(torch.cat(seq), 0.5)[1]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("body", BODIES)
 def test_flexidepth_matches_reference_single_prompts(family, body):
@@ -145,7 +117,7 @@ def test_dense_and_routed_agree_on_logits():
 
 
 def test_decode_attention_runs_over_the_cache_in_place_per_run_of_rows():
-    from vskipper.models.hf import _runs
+    from vskipper.engines.hf import _runs
 
     assert _runs([]) == [] and _runs([4]) == [(4, 5)]
     assert _runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 6), (7, 9)]
@@ -174,19 +146,19 @@ def test_pass_rewrites_every_routed_layer_and_tags_nodes():
     base = tiny_llama()
     m = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "routed")
     assert m.vskipper.rewritten == [0, 3, 5]
-    gm = m.model._vskipper_stack
+    gm = m.vskipper.graphs[0]
     roles = [(n.meta["vskipper"]["layer"], n.meta["vskipper"]["role"]) for n in gm.graph.nodes if "vskipper" in n.meta]
     for l in (0, 3, 5):
         for role in ("input_norm", "router", "decide", "routed_layer"):
             assert (l, role) in roles
         assert (l, "route_maps") not in roles  # the dynamic body finds its own rows
-    fixed = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "routed", static_shapes=True).model._vskipper_stack
+    fixed = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "routed", static_shapes=True).vskipper.graphs[0]
     assert {n.meta["vskipper"]["layer"] for n in fixed.graph.nodes
-            if n.meta.get("vskipper", {}).get("role") == "route_maps"} == {0, 3, 5}  # the fixed-shape body is given maps
+            if n.meta.get("vskipper", {}).get("role") == "route_maps"} == {0, 3, 5}  # the fixed-shape body: maps
     assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("layers.")
             and n.target.count(".") == 1] == ["layers.1", "layers.2", "layers.4"]
     dense = transformed(base, vskipper.RandomSkip(0.5, [0, 3, 5]), "dense")
-    assert not any(n.meta.get("vskipper", {}).get("role") == "route_maps" for n in dense.model._vskipper_stack.graph.nodes)
+    assert not any(n.meta.get("vskipper", {}).get("role") == "route_maps" for n in dense.vskipper.graphs[0].graph.nodes)
     assert {b.name for b in dense.vskipper.bodies.values()} == {"dense"}
     for n in gm.graph.nodes:  # the graph records each routed layer's body
         if n.meta.get("vskipper", {}).get("role") == "routed_layer":
@@ -198,14 +170,40 @@ def test_explain_says_what_each_routed_layer_runs_and_why():
     sk = vskipper.RandomSkip(0.5, [0, 1, 2, 4])
     text = vskipper.explain(transformed(base, sk, "auto"))
     assert "rewritten 4/4 routed layers" in text
-    assert "layers 0-2: auto: dense-masked or routed, dynamic shapes" in text and "layer 4: auto" in text
+    assert "layers 0-2: auto: dense-masked (every row through attention, MLP and adapter; a mask selects) or " \
+           "routed (attention, MLP and adapter for their rows only), dynamic shapes" in text and "layer 4: auto" in text
     assert "calibration 'cpu: " in text
     m = transformed(base, sk, "routed", static_shapes=True)
     assert repr(m.vskipper) == vskipper.explain(m)
-    assert "layers 0-2: routed, fixed shapes (torch ops; no host sync)  [execution='routed', static_shapes=True, " \
-           "impl='torch']" in repr(m.vskipper)
+    assert "layers 0-2: routed-mlp (attention for every row, MLP and adapter routed), fixed shapes (torch ops; no " \
+           "host sync)  [execution='routed', static_shapes=True, impl='torch'; HFAttention has no fixed-shape masked " \
+           "attention, so attention runs for every row]" in repr(m.vskipper)
     with pytest.raises(ValueError, match="vskipper.explain: this model was not transformed"):
         vskipper.explain(base)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("execution", ["dense", "routed", "routed-mlp"])
+def test_explain_names_the_attention_that_runs(execution, static, monkeypatch):
+    """What print(model.vskipper) says a layer runs is what runs: the attention part's methods called
+    in a step that skips some rows match the description."""
+    from vskipper.engines.hf import HFAttention
+
+    calls = set()
+    for name in ("attend_all", "attend_rows", "attend_masked"):
+        method = getattr(HFAttention, name)
+        monkeypatch.setattr(HFAttention, name, lambda self, *a, _n=name, _m=method: calls.add(_n) or _m(self, *a))
+    m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 2, 4]), execution, static_shapes=static)
+    ids, mask = left_pad(prompts((7, 5, 9)))
+    greedy(m, ids, mask, 3)
+    assert all(0 < s["project"] < s["tokens"] for s in vskipper.stats(m).values())
+    text = vskipper.explain(m)
+    if "layers 1-2: routed (attention, MLP and adapter for their rows only)" in text:
+        assert calls == {"attend_rows"}, (calls, text)
+    else:
+        assert ("dense-masked" in text or "routed-mlp (attention for every row" in text) and calls == {"attend_all"}, \
+            (calls, text)
+    assert (calls == {"attend_rows"}) == (execution == "routed" and not static)  # transformers: no masked form
 
 
 def test_state_dict_keys_of_the_base_model_are_unchanged():
@@ -248,12 +246,12 @@ def test_verify_pass_checks_the_recorded_body_and_its_maps():
     from vskipper.routed_layer import DenseBody
 
     m = transformed(tiny_llama(), vskipper.RandomSkip(0.5, [1, 3]), "routed", static_shapes=True)  # given route maps
-    gm = m.model._vskipper_stack
+    gm = m.vskipper.graphs[0]
     verify = VerifyPass(range(6), (1, 3))
     verify(gm)  # as transform left it
     node = next(n for n in gm.graph.nodes if n.target == "routed.3")
     node.meta["vskipper"]["body"] = "dense"
-    with pytest.raises(PassError, match=r"pass verify, routed.3: graph records body .*the module runs 'routed'"):
+    with pytest.raises(PassError, match=r"pass verify, routed.3: graph records body .*the module runs 'routed-mlp'"):
         verify(gm)
     node.meta["vskipper"]["body"] = "dense"
     gm.get_submodule("routed.3").body = DenseBody()  # a dense body handed route maps

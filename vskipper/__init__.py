@@ -6,10 +6,10 @@
     vskipper.stats(model)
     print(model.vskipper)          # what each routed layer runs, and why (vskipper.explain)
 """
-from vskipper._version import __version__
+from vskipper._version import __version__  # noqa: F401  (vskipper.__version__)
+from vskipper.api import explain, from_pretrained, stats, transform
 from vskipper.config import Config
 from vskipper.skippers import FlexiDepth, RandomSkip, Skipper, Static, parse_skipper
-from vskipper.api import explain, from_pretrained, stats, transform
 
 __all__ = [
     # verbs

@@ -4,12 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vskipper import cost
 from vskipper.config import Config
 from vskipper.control import COUNTS, SETTINGS, RequestCap
 from vskipper.models import ModelFamily, family_for
 from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
-from vskipper.routed_layer import AutoBody, Body, RouteCounter, RoutedLayer, make_body
+from vskipper.routed_layer import AutoBody, Body, Plan, RouteCounter, RoutedLayer, make_body, resolve_plan
 from vskipper.skippers.base import Skipper
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() shows auto's graph plan for
@@ -18,20 +17,25 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() s
 class VSkipperState(nn.Module):
     """What `transform` attaches to a model (as `model.vskipper`): the skipper, the per-layer
     route counters, the per-layer request caps (where the engine passes per-request budgets,
-    vskipper/control.py), the config, and what each routed layer runs and why. Its repr is `explain`."""
+    vskipper/control.py), the config and its resolved plan, what each routed layer runs and why, and
+    the transformed stacks (`graphs`, fx GraphModules; their modules are the model's own). Its repr
+    is `explain`."""
 
-    def __init__(self, skipper: Skipper, config: Config, family: ModelFamily, device: torch.device) -> None:
+    def __init__(self, skipper: Skipper, config: Config, family: ModelFamily, device: torch.device,
+                 plan: Plan) -> None:
         super().__init__()
         self.skipper = skipper
         self.counters = nn.ModuleDict({str(l): RouteCounter() for l in skipper.layers})
         n = len(skipper.layers)
         self.caps = nn.ModuleDict({str(l): RequestCap(r, n) for r, l in enumerate(skipper.layers)})
         self.config = config
+        self.plan = plan
         self.family = family.name
         self.device = device
         self.rewritten: list[int] = []
         self.bodies: dict[int, Body] = {}
         self.reasons: dict[int, str] = {}
+        self.graphs: tuple = ()
 
     def explain(self) -> str:
         n = len(self.skipper.layers)
@@ -58,7 +62,7 @@ class VSkipperState(nn.Module):
         return self.explain()
 
 
-def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) -> nn.Module:
+def transform(model: nn.Module, skipper: Skipper, config: Config | None = None, *, budgets=None) -> nn.Module:
     """Make `model` skip-aware in place, and return it.
 
     model:   a transformers LlamaForCausalLM or Qwen3ForCausalLM (or an SGLang Llama/Qwen3
@@ -69,6 +73,8 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     config:  `vskipper.Config(execution="auto" | "dense" | "routed" | "routed-mlp", impl=...)`; every choice
              computes the same function. "auto" uses the cost model measured by `vskipper calibrate`
              on this device; with no calibration it runs dense-masked and warns once.
+    budgets: for an engine with per-request control (the SGLang plugin): the per-row budget buffer its
+             routed layers read (vskipper/control.py); None elsewhere.
 
     What each routed layer runs (its body) is decided here, once; `print(model.vskipper)` (or
     `vskipper.explain(model)`) says which and why. A torch.fx pass traces the model's decoder
@@ -84,32 +90,21 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
     family = family_for(model)  # TypeError naming the supported classes
     if hasattr(model, "vskipper") and isinstance(getattr(model, "vskipper"), VSkipperState):
         raise ValueError("vskipper.transform: this model is already transformed; transform a fresh model")
-    layers = model.model.layers
+    layers = family.layers(model)
     p = next(layers[0].parameters())
     hidden, dtype, device = model.config.hidden_size, p.dtype, p.device
     skipper.check_model(len(layers), hidden)
     stacks = family.make_stacks(model, skipper.layers)
     skipper.to(device=device, dtype=dtype)
-    state = VSkipperState(skipper, config, family, device).to(device)
-
-    calibration = prefill_calibration = None
-    if config.execution == "auto":
-        intermediate = getattr(model.config, "intermediate_size", hidden)
-        calibration = cost.load(device, hidden, intermediate, cost.dtype_name(dtype))
-        if calibration is None:
-            cost.warn_uncalibrated(device, hidden, intermediate, cost.dtype_name(dtype))
-        else:
-            prefill_calibration = cost.load(device, hidden, intermediate, cost.dtype_name(dtype), phase="prefill")
-            if prefill_calibration is None:
-                cost.warn_no_prefill(device, hidden, intermediate, cost.dtype_name(dtype))
+    plan = resolve_plan(config, device, hidden, getattr(model.config, "intermediate_size", hidden), dtype,
+                        skipper.expected_run_fraction)
+    state = VSkipperState(skipper, config, family, device, plan).to(device)
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
-        state.bodies[i], state.reasons[i] = make_body(config, device, calibration, skipper.expected_run_fraction,
-                                                        prefill_calibration)
-        mlp = family.make_mlp(layer) if family.make_mlp is not None else getattr(layer, family.mlp)
-        return RoutedLayer(i, family.make_attention(layer), getattr(layer, family.post_norm),
-                           mlp, skipper.adapter(i), skipper.gate, state.bodies[i],
-                           mlp_weights=family.mlp_weights, check_sync=config.check_sync)
+        attention = family.make_attention(layer)
+        state.bodies[i], state.reasons[i] = make_body(plan, attention)
+        return RoutedLayer(i, attention, getattr(layer, family.post_norm), family.make_mlp(layer), skipper.adapter(i),
+                           skipper.gate, state.bodies[i], check_sync=config.check_sync)
 
     transformed = []
     for stack in stacks:
@@ -118,8 +113,9 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None) 
         gm, _ = run_passes(trace_stack(stack), [route, VerifyPass(stack.indices, routed)])
         state.rewritten += route.rewritten
         transformed.append((stack, gm))
+    state.graphs = tuple(gm for _, gm in transformed)
     model.vskipper = state
-    family.install(model, transformed)
+    family.install(model, transformed, budgets)
     return model
 
 

@@ -40,8 +40,8 @@ class LayerBench:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
         from vskipper.config import Config
-        from vskipper.models.hf import HFAttention, mlp_weights
-        from vskipper.routed_layer import RoutedLayer, make_bodies
+        from vskipper.engines.hf import HFMLP, HFAttention
+        from vskipper.routed_layer import DenseBody, RoutedLayer, resolve_plan, routed_body
         from vskipper.skippers.flexidepth import FlexiDepthAdapter
 
         torch.manual_seed(seed)
@@ -50,9 +50,15 @@ class LayerBench:
         self.cfg._attn_implementation = "sdpa"
         self.layer = LlamaDecoderLayer(self.cfg, 0).to(device, dtype).eval()
         adapter = FlexiDepthAdapter(hidden, max(1, intermediate // 16)).to(device, dtype)
-        self.bodies = make_bodies(Config(), torch.device(device))  # as transform makes them here
+        # the bodies as transform makes them on this device. transformers' attention has no fixed-shape
+        # masked form, so where shapes are fixed (CUDA) "routed" is timed with attention for every row,
+        # as "routed-mlp" is: the routed column then prices routed attention no cheaper than that.
+        plan = resolve_plan(Config(execution="routed"), torch.device(device), hidden, intermediate, dtype)
+        routed = "routed-mlp" if plan.fixed_shapes else "routed"
+        self.bodies = {"dense": DenseBody(), "routed": routed_body(plan, routed),
+                       "routed-mlp": routed_body(plan, "routed-mlp")}
         self.body = RoutedLayer(0, HFAttention(self.layer.self_attn), self.layer.post_attention_layernorm,
-                                self.layer.mlp, adapter, "soft", self.bodies["routed"], mlp_weights=mlp_weights)
+                                HFMLP(self.layer.mlp), adapter, "soft", self.bodies["routed"])
         self.rope = LlamaRotaryEmbedding(self.cfg).to(device)
         self.device, self.dtype, self.context = device, dtype, context
         self.gen = torch.Generator().manual_seed(seed)
@@ -182,8 +188,8 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
                 frac, el = done / (passes * sum(work)), time.perf_counter() - t_start
                 cols = "  ".join(f"{b}/dense {min(rs):.2f}-{max(rs):.2f}" for b in BODIES[1:]
                                  for rs in [[r[-1] for (b2, t, _), r in ratios.items() if t == T and b2 == b]])
-                print(f"calibrate: {phase} pass {p + 1}/{passes} T={T:<4} {cols}  [{frac:.0%}, ETA {el / frac - el:.0f} s]",
-                      file=sys.stderr, flush=True)
+                print(f"calibrate: {phase} pass {p + 1}/{passes} T={T:<4} {cols}  "
+                      f"[{frac:.0%}, ETA {el / frac - el:.0f} s]", file=sys.stderr, flush=True)
     d = tuple(tuple(lower_quartile(dense[T, f]) for f in fs) for T in ts)  # a neighbour's load only adds time
     r = {b: tuple(tuple(d[i][j] * statistics.median(ratios[b, T, f]) for j, f in enumerate(fs))
                   for i, T in enumerate(ts)) for b in BODIES[1:]}
@@ -196,7 +202,8 @@ def shape_of(model_path: str) -> tuple[int, int, int, int]:
     from vskipper.models.checkpoint import read_config
 
     c = read_config(model_path)
-    return c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    heads = c["num_attention_heads"]
+    return c["hidden_size"], c["intermediate_size"], heads, c.get("num_key_value_heads", heads)
 
 
 def main(argv=None) -> None:
@@ -207,8 +214,8 @@ def main(argv=None) -> None:
     g.add_argument("--shape", help="hidden,intermediate[,heads,kv_heads]")
     ap.add_argument("--repeats", type=int, default=6, help="rounds per cell at T >= 32 (more below), over all passes")
     ap.add_argument("--passes", type=int, default=3, help="sweeps of the grid; a cell's ratio is their median")
-    ap.add_argument("--threads", type=int, help="torch threads to measure with (a calibration is kept per thread count; "
-                                                "default: this process's, %d)" % torch.get_num_threads())
+    ap.add_argument("--threads", type=int, help="torch threads to measure with (a calibration is kept per thread "
+                                                "count; default: this process's, %d)" % torch.get_num_threads())
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="dtype to time the layer in, as the model runs (default: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--phase", choices=["both", *cost.PHASES], default="both",

@@ -68,6 +68,8 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
         env["VSKIPPER_EXECUTION"] = args.execution
     if args.stats_interval is not None:
         env["VSKIPPER_STATS_INTERVAL"] = str(args.stats_interval)
+    if args.threshold is not None:
+        env["VSKIPPER_THRESHOLD"] = args.threshold
     try:
         settings = Settings.from_env(env)  # a malformed skipper spec fails here, naming the field
     except ValueError as e:
@@ -113,32 +115,26 @@ def inspect_command(args: argparse.Namespace) -> None:
     print(f"skipper tensors: {len(sk.expected_shapes())} present with the expected shapes")
 
 
-BENCHES = {"serve": "vskipper.bench.serving"}  # `vskipper bench NAME ...` -> NAME's own argument parser
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["calibrate"]:
         from vskipper.calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
-    if argv[:1] == ["bench"]:
-        if len(argv) < 2 or argv[1] not in BENCHES:
-            _fail(f"vskipper bench: expected one of {sorted(BENCHES)}, got {argv[1:2] or 'nothing'}")
-        import importlib
-
-        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
     ap = argparse.ArgumentParser(prog="vskipper", description="Dynamic layer skipping for LLM serving",
-                                 epilog="also: vskipper calibrate [-h] ..., vskipper bench serve [-h] ...")
+                                 epilog="also: vskipper calibrate [-h] ...")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="launch SGLang with vskipper (any other flags go to SGLang)")
     s.add_argument("--skipper", help="skipper spec for a stock model, e.g. random:rate=0.5,layers=15-29,seed=0; "
                                      "'none' serves the model unchanged (default: the bundled model's shipped "
-                                     "FlexiDepth skipper, flexidepth:name=smollm2-135m-flexidepth, when no --model-path is given)")
+                                     "FlexiDepth skipper, flexidepth:name=smollm2-135m-flexidepth, when no "
+                                     "--model-path is given)")
     s.add_argument("--model-path", help="model directory (default: the bundled SmolLM2-135M-Instruct, served with "
                                         "its trained FlexiDepth skipper)")
     s.add_argument("--execution", choices=list(EXECUTIONS))
     s.add_argument("--stats-interval", type=int, help="log skip statistics every N decode steps")
+    s.add_argument("--threshold", help="the FlexiDepth router's threshold (default 0.5): a token runs a routed "
+                                       "layer when its gate is above it, so a higher one skips less")
     i = sub.add_parser("inspect", help="check a skip-aware checkpoint directory")
     i.add_argument("path")
     from vskipper.training.cli import add_arguments as add_train_arguments

@@ -26,12 +26,15 @@ class Config:
                body slices to the real counts, which is what makes it fast there).
     check_sync: fail with HostSyncError on any host sync inside a routed layer during decode
                (a guard for tests; slows things down).
+    tuned_kernels: Triton launches use this GPU's tuned launch configs where a trusted table has
+               them (vskipper/kernel_configs/); False pins every kernel to its untuned defaults.
     """
 
     execution: str = "auto"
     impl: str = "auto"
     static_shapes: bool | None = None
     check_sync: bool = False
+    tuned_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
@@ -42,5 +45,6 @@ class Config:
             raise ValueError(f"Config.impl={self.impl!r} is not one of {', '.join(map(repr, IMPLS))}")
         if self.static_shapes not in (None, True, False):
             raise ValueError(f"Config.static_shapes={self.static_shapes!r} must be None, True or False")
-        if not isinstance(self.check_sync, bool):
-            raise ValueError(f"Config.check_sync={self.check_sync!r} must be True or False")
+        for name in ("check_sync", "tuned_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name}={getattr(self, name)!r} must be True or False")

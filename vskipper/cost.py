@@ -66,7 +66,9 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return f"cpu: {model}, {torch.get_num_threads()} threads"
 
 
-METHOD = "5"  # how calibrate measures (KV pool, rounds in random order, paired ratios, passes, three bodies, dynamic bodies find their own rows); bump on change
+# How calibrate measures (KV pool, rounds in random order, paired ratios, passes, three bodies, dynamic
+# bodies finding their own rows): a calibration made another way is not trusted. Bump on change.
+METHOD = "5"
 
 
 def versions() -> dict[str, str]:
@@ -145,17 +147,19 @@ class Calibration:
         t = at(self._rows[i]) * (1 - u) + at(self._rows[i + 1]) * u
         return t * (T / self.ts[-1]) if T > self.ts[-1] else t  # beyond the grid: linear in T
 
-    def choose(self, T: int, f: float, current: str | None = None, margin: float = 0.03) -> str:
-        """The body predicted cheapest; with hysteresis, `current` is kept unless another is
-        predicted cheaper by more than `margin`."""
-        times = {b: self.predict(b, T, f) for b in self.bodies()}
+    def choose(self, T: int, f: float, current: str | None = None, margin: float = 0.03,
+               bodies: tuple[str, ...] | None = None) -> str:
+        """The body predicted cheapest among `bodies` (default: every body timed); with hysteresis,
+        `current` is kept unless another is predicted cheaper by more than `margin`."""
+        times = {b: self.predict(b, T, f) for b in self.bodies() if bodies is None or b in bodies}
         best = min(times, key=times.get)
         if current in times and best != current and times[best] > times[current] * (1 - margin):
             return current
         return best
 
     def key(self) -> str:
-        return f"{self.device}|{self.hidden}x{self.intermediate}|{self.dtype}" + ("|prefill" if self.phase == "prefill" else "")
+        phase = "|prefill" if self.phase == "prefill" else ""
+        return f"{self.device}|{self.hidden}x{self.intermediate}|{self.dtype}{phase}"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -180,8 +184,9 @@ def save(cal: Calibration, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / _file_name(cal.device)
     entries = json.loads(path.read_text()) if path.is_file() else []
-    entries = [e for e in entries if (e["hidden"], e["intermediate"], e.get("dtype", "float32"), e.get("phase", "decode"))
-               != (cal.hidden, cal.intermediate, cal.dtype, cal.phase)]
+    same = (cal.hidden, cal.intermediate, cal.dtype, cal.phase)
+    entries = [e for e in entries
+               if (e["hidden"], e["intermediate"], e.get("dtype", "float32"), e.get("phase", "decode")) != same]
     path.write_text(json.dumps(entries + [cal.to_json()], indent=1))
     return path
 
@@ -234,31 +239,63 @@ def _other_thread_counts(name: str) -> list[str]:
     return sorted(set(out))
 
 
+class DeviceCounts:
+    """The previous steps' RUN counts of one phase, read from an accelerator without waiting for it:
+    each step's counts [2] (RUN, PROJECT) are copied to a pinned host buffer without blocking, with
+    the T they were counted over, and read once their copy's event has completed. One per phase, so
+    a prefill step's count is never divided by a decode step's T. `event` makes the event (CUDA's by
+    default; a test can hand in its own and run this same path on CPU tensors)."""
+
+    def __init__(self, event=None) -> None:
+        self.event_type = event
+        self._host = self._event = None
+        self._T = 0
+
+    def push(self, counts: torch.Tensor, T: int) -> float | None:
+        """Start copying this step's counts (taken over T rows); return the RUN fraction of the last
+        copy that has landed since the previous call, or None if none has."""
+        seen = None
+        if self._host is None:
+            self._host = torch.zeros(2, dtype=counts.dtype, pin_memory=counts.is_cuda)
+            self._event = (self.event_type or torch.cuda.Event)()
+        elif self._event.query():  # the previous step's copy has landed: read it, never wait for it
+            seen = float(self._host[0]) / max(self._T, 1)
+        self._host.copy_(counts, non_blocking=True)
+        self._event.record()
+        self._T = T
+        return seen
+
+
 class Chooser:
     """The per-layer choice of routed_layer.AutoBody (Config(execution="auto")): the name of a body
-    (Calibration.bodies()), from the calibration (see the module docstring).
+    among `bodies` (default: every body the calibration times), from the calibration (see the module
+    docstring).
 
     expected: the RUN fraction the skipper declares (Skipper.expected_run_fraction; 0.5 when it
     declares none), what the choice plans with where it cannot look: inside CUDA-graph capture the
     body is `planned(T)`, a pure function of the calibration, T and `expected`, so each captured
     batch size gets one fixed body (`plan` lists them). Elsewhere the choice is made per step, with
     hysteresis state kept per phase (prefill, decode) and batch size, from the phase's table
-    (`prefill`: the prefill calibration; None: prefill steps use the decode table)."""
+    (`prefill`: the prefill calibration; None: prefill steps use the decode table). Counts on an
+    accelerator are read a step late (DeviceCounts, one per phase; `event` as there)."""
 
     def __init__(self, calibration: Calibration, expected: float | None = None, ema: float = 0.5,
-                 margin: float = 0.03, prefill: Calibration | None = None) -> None:
+                 margin: float = 0.03, prefill: Calibration | None = None, bodies: tuple[str, ...] | None = None,
+                 event=None) -> None:
         self.cal, self.alpha, self.margin = calibration, ema, margin
         self.tables = {True: calibration, False: prefill if prefill is not None else calibration}  # decode? -> table
+        self.bodies = bodies
         self.declared = expected is not None
         self.expected = 0.5 if expected is None else float(expected)
         self.current: dict[tuple, str] = {}  # (phase, T) -> the body chosen last (hysteresis)
         self.fraction: dict[bool, float] = {}  # phase -> EMA of the RUN fraction seen (accelerators)
-        self._host = self._event = None  # pinned copy of the last counts, and its copy's event (CUDA)
+        self.event = event
+        self.device_counts = {phase: DeviceCounts(event) for phase in (True, False)}
         self._memo: dict[tuple, str] = {}  # (phase, T, RUN count or percent, current) -> body: a dict hit
 
     def planned(self, T: int) -> str:
         """The body for a captured graph of T rows: no state, no device read."""
-        return self.cal.choose(T, self.expected)
+        return self.cal.choose(T, self.expected, bodies=self.bodies)
 
     def plan(self, sizes) -> dict[int, str]:
         return {T: self.planned(T) for T in sizes}
@@ -271,26 +308,26 @@ class Chooser:
         if body is None:
             if len(self._memo) > 4096:  # prefill sizes vary without bound: keep the memo small
                 self._memo.clear()
-            body = self._memo[memo_key] = self.tables[decode].choose(T, f, cur, self.margin)
+            body = self._memo[memo_key] = self.tables[decode].choose(T, f, cur, self.margin, self.bodies)
         self.current[where] = body
         return body
 
-    def choose(self, T: int, counts: torch.Tensor | int, decode: bool = True) -> str:
-        """counts: route maps' counts [2] (RUN, PROJECT) on the device, or the RUN count read on the host."""
-        if isinstance(counts, int) or counts.is_cpu:  # (not .device.type: measured 5 us per call inside a step)
-            n = counts if isinstance(counts, int) else counts.tolist()[0]
+    def choose(self, T: int, counts: torch.Tensor | int, decode: bool = True, on_host: bool | None = None) -> str:
+        """counts: route maps' counts [2] (RUN, PROJECT) on the device, or the RUN count read on the host.
+        on_host: read a tensor's counts directly (default: when it is a CPU tensor)."""
+        if isinstance(counts, int):
+            return self._decide(decode, T, counts, counts / max(T, 1))
+        if on_host is None:
+            on_host = counts.is_cpu  # (not .device.type: measured 5 us per call inside a step)
+        if on_host:
+            n = counts.tolist()[0]
             return self._decide(decode, T, n, n / max(T, 1))
-        if not counts.is_cuda or torch.cuda.is_current_stream_capturing():
-            return self.planned(T)
-        if self._host is None:
-            self._host = torch.zeros(2, dtype=counts.dtype, pin_memory=True)
-            self._event = torch.cuda.Event()
-        elif self._event.query():  # the previous step's copy has landed: read it, never wait for it
-            seen = float(self._host[0]) / max(T, 1)
+        if (torch.cuda.is_current_stream_capturing() if counts.is_cuda else self.event is None):
+            return self.planned(T)  # capturing a graph, or a device without CUDA events: never read
+        seen = self.device_counts[decode].push(counts, T)
+        if seen is not None:
             last = self.fraction.get(decode)
             self.fraction[decode] = seen if last is None else self.alpha * seen + (1 - self.alpha) * last
-        self._host.copy_(counts, non_blocking=True)
-        self._event.record()
         f = self.fraction.get(decode, self.expected)
         return self._decide(decode, T, round(f * 100), f)
 
@@ -321,7 +358,8 @@ def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int, dtyp
     flag = "" if dtype == "float32" else f" --dtype {dtype}"
     warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
                   f"{dtype}){also}; execution='auto' runs the dense-masked body. Measure this device with "
-                  f"`vskipper calibrate --shape {hidden},{intermediate}{threads}{flag}` (or --model PATH).", stacklevel=3)
+                  f"`vskipper calibrate --shape {hidden},{intermediate}{threads}{flag}` (or --model PATH).",
+                  stacklevel=4)
 
 
 def warn_no_prefill(device: torch.device, hidden: int, intermediate: int, dtype: str = "float32") -> None:
@@ -334,4 +372,4 @@ def warn_no_prefill(device: torch.device, hidden: int, intermediate: int, dtype:
     warnings.warn(f"vskipper: no prefill cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
                   f"{dtype}); execution='auto' prices prefill steps by the decode table, which misprices them. "
                   f"Measure prefill with `vskipper calibrate --phase prefill --shape {hidden},{intermediate}{flag}`.",
-                  stacklevel=3)
+                  stacklevel=4)

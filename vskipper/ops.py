@@ -3,14 +3,15 @@
 Legend: T = rows (tokens) in the batch, H = hidden size, R = rows in a map (= T in the routed body),
 I = MLP width, B = decode rows, nh / kvh = query / KV heads, d = head dim.
 
-Every op takes `impl`, decided once per model at transform time (`resolve_impl`, from
-`Config.impl`) and held by the routed layer's body; nothing here reads the environment:
+Every op takes `impl` (and `tuned`: whether a Triton launch reads this GPU's tuned launch
+configs), decided once per model at transform time (`resolve_impl`, from `Config.impl`;
+`Config.tuned_kernels`) and held by the routed layer's body; nothing here reads the environment:
 
     triton  the kernel in vskipper/triton_kernels/<op>.py, through a `torch.library.custom_op`
             (torch.ops.vskipper.<op>) with a fake implementation, so it traces under torch.compile
             (opaque to it) with fixed output shapes. CUDA tensors (CPU ones too under
             TRITON_INTERPRET=1, which is how the tests run them).
-    torch   the pure-torch reference beside the kernel, called directly (no custom-op dispatch,
+    torch   the op in plain torch beside the kernel (`torch_op`), called directly (no custom-op dispatch,
             which costs more than the op at small T; torch.compile traces into it): fixed shapes,
             counts kept on the device, no host sync, CUDA-graph safe.
 
@@ -37,7 +38,7 @@ __all__ = ["IMPLS", "resolve_impl", "route_maps", "grouped_swiglu_", "masked_dec
 def resolve_impl(impl: str, device: torch.device) -> str:
     """Config.impl ("auto", "torch", "triton") for tensors on `device`: auto is triton on CUDA,
     torch elsewhere. Called once, at transform time; it also imports the op modules then, so that
-    a later torch.compile traces into the references without an import."""
+    a later torch.compile traces into the torch forms without an import."""
     if impl == "auto":
         impl = "triton" if torch.device(device).type == "cuda" else "torch"
     if impl not in IMPLS:
@@ -60,19 +61,20 @@ def _bad_impl(impl) -> ValueError:
 
 # --- route_maps -------------------------------------------------------------------------------
 @torch.library.custom_op("vskipper::route_maps", mutates_args=())
-def _route_maps(run_mask: Tensor, valid: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return _kernels("route_maps").launch(run_mask, valid)
+def _route_maps(run_mask: Tensor, valid: Optional[Tensor], tuned: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernels("route_maps").launch(run_mask, valid, tuned)
 
 
 @_route_maps.register_fake
-def _(run_mask, valid):
+def _(run_mask, valid, tuned=True):
     _kernels("route_maps").check(run_mask, valid)
     T = run_mask.shape[0]
     return (run_mask.new_empty(T, dtype=torch.int32), run_mask.new_empty(T, dtype=torch.int32),
             run_mask.new_empty(2, dtype=torch.int32))
 
 
-def route_maps(run_mask: Tensor, valid: Optional[Tensor] = None, *, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+def route_maps(run_mask: Tensor, valid: Optional[Tensor] = None, *, impl: str,
+               tuned: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """run_mask [...] bool, valid [...] bool | None -> (run_rows [T] int32, project_rows [T] int32, counts [2] int32),
     T = run_mask.numel() (any shape is flattened).
 
@@ -83,26 +85,27 @@ def route_maps(run_mask: Tensor, valid: Optional[Tensor] = None, *, impl: str) -
     if valid is not None:
         valid = valid.reshape(-1).contiguous()
     if impl == "torch":
-        return _kernels("route_maps").reference(run_mask, valid)
+        return _kernels("route_maps").torch_op(run_mask, valid)
     if impl == "triton":
-        return _route_maps(run_mask, valid)
+        return _route_maps(run_mask, valid, tuned)
     raise _bad_impl(impl)
 
 
 # --- grouped_swiglu_ --------------------------------------------------------------------------
 @torch.library.custom_op("vskipper::grouped_swiglu_", mutates_args=("out",))
 def _grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, count: Tensor, w_gate: Tensor,
-                     w_up: Tensor, w_down: Tensor, weight: Optional[Tensor]) -> None:
-    _kernels("grouped_swiglu").launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+                     w_up: Tensor, w_down: Tensor, weight: Optional[Tensor], tuned: bool = True) -> None:
+    _kernels("grouped_swiglu").launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight, tuned)
 
 
 @_grouped_swiglu_.register_fake
-def _(out, residual, x, rows, count, w_gate, w_up, w_down, weight):
+def _(out, residual, x, rows, count, w_gate, w_up, w_down, weight, tuned=True):
     _kernels("grouped_swiglu").check(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
 
 
 def grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, count: Tensor, w_gate: Tensor,
-                    w_up: Tensor, w_down: Tensor, weight: Optional[Tensor] = None, *, impl: str) -> None:
+                    w_up: Tensor, w_down: Tensor, weight: Optional[Tensor] = None, *, impl: str,
+                    tuned: bool = True) -> None:
     """In place, for j < count, r = rows[j]:
         out[r] = residual[r] + w[r] * (silu(x[r] @ w_gate.T) * (x[r] @ w_up.T)) @ w_down.T   (w = 1 if None)
     out, residual, x [T, H]; w_gate, w_up [I, H]; w_down [H, I]; weight [T]. Other rows untouched.
@@ -111,22 +114,23 @@ def grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, coun
     `run_value`, with residual = h, weight = 1 - g a PROJECT row's `project_value`
     (vskipper/skippers/base.py); weight None is the hard gate."""
     if impl == "torch":
-        return _kernels("grouped_swiglu").reference(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+        return _kernels("grouped_swiglu").torch_op(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
     if impl == "triton":
-        return _grouped_swiglu_(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+        return _grouped_swiglu_(out, residual, x, rows, count, w_gate, w_up, w_down, weight, tuned)
     raise _bad_impl(impl)
 
 
 # --- masked_decode_attention ------------------------------------------------------------------
 @torch.library.custom_op("vskipper::masked_decode_attention", mutates_args=())
 def _masked_decode_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
-                             req_pool_indices: Tensor, seq_lens: Tensor, run_mask: Tensor, sm_scale: float) -> Tensor:
+                             req_pool_indices: Tensor, seq_lens: Tensor, run_mask: Tensor, sm_scale: float,
+                             tuned: bool = True) -> Tensor:
     return _kernels("masked_decode_attention").launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                                      seq_lens, run_mask, sm_scale)
+                                                      seq_lens, run_mask, sm_scale, tuned)
 
 
 @_masked_decode_attention.register_fake
-def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale):
+def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale, tuned=True):
     _kernels("masked_decode_attention").check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
                                               run_mask)
     return q.new_empty(q.shape)
@@ -134,7 +138,7 @@ def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask,
 
 def masked_decode_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
                             req_pool_indices: Tensor, seq_lens: Tensor, run_mask: Tensor, sm_scale: float, *,
-                            impl: str) -> Tensor:
+                            impl: str, tuned: bool = True) -> Tensor:
     """Paged decode attention for RUN rows over SGLang's KV layout. q [B, nh, d], k_buffer and
     v_buffer [P, kvh, d], req_to_token [R, C] int32, req_pool_indices [B] int, seq_lens [B] int,
     run_mask [B] bool -> o [B, nh, d]. Position p < seq_lens[b] of request b is pool slot
@@ -142,9 +146,9 @@ def masked_decode_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_t
     Rows with run_mask False read no K/V and get zeros."""
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, float(sm_scale))
     if impl == "torch":
-        return _kernels("masked_decode_attention").reference(*args)
+        return _kernels("masked_decode_attention").torch_op(*args)
     if impl == "triton":
-        return _masked_decode_attention(*args)
+        return _masked_decode_attention(*args, tuned)
     raise _bad_impl(impl)
 
 
@@ -154,7 +158,7 @@ def masked_decode_attention_dynamic(q: Tensor, k_buffer: Tensor, v_buffer: Tenso
     """The same result as masked_decode_attention in plain torch, gathering only the RUN rows up to
     their longest sequence. It syncs with the host (nonzero, max): the dynamic routed body's form
     (CPU serving), never inside a CUDA graph."""
-    return _kernels("masked_decode_attention").reference_dynamic(q, k_buffer, v_buffer, req_to_token,
+    return _kernels("masked_decode_attention").torch_op_dynamic(q, k_buffer, v_buffer, req_to_token,
                                                                  req_pool_indices, seq_lens, run_mask, sm_scale)
 
 
@@ -162,13 +166,13 @@ def masked_decode_attention_dynamic(q: Tensor, k_buffer: Tensor, v_buffer: Tenso
 @torch.library.custom_op("vskipper::routed_prefill_attention", mutates_args=())
 def _routed_prefill_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
                               req_pool_indices: Tensor, prefix_lens: Tensor, extend_lens: Tensor, run_mask: Tensor,
-                              sm_scale: float) -> Tensor:
+                              sm_scale: float, tuned: bool = True) -> Tensor:
     return _kernels("routed_prefill_attention").launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                                       prefix_lens, extend_lens, run_mask, sm_scale)
+                                                       prefix_lens, extend_lens, run_mask, sm_scale, tuned)
 
 
 @_routed_prefill_attention.register_fake
-def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask, sm_scale):
+def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask, sm_scale, tuned=True):
     _kernels("routed_prefill_attention").check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
                                                extend_lens, run_mask)
     return q.new_empty(q.shape)
@@ -176,7 +180,7 @@ def _(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend
 
 def routed_prefill_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_to_token: Tensor,
                              req_pool_indices: Tensor, prefix_lens: Tensor, extend_lens: Tensor, run_mask: Tensor,
-                             sm_scale: float, *, impl: str) -> Tensor:
+                             sm_scale: float, *, impl: str, tuned: bool = True) -> Tensor:
     """Causal paged attention of an extend (prefill) batch for RUN rows, over SGLang's KV layout.
     q [T, nh, d] (the rows of request b are extend_lens[b] consecutive rows, requests in order),
     k_buffer and v_buffer [P, kvh, d], req_to_token [R, C] int32, req_pool_indices, prefix_lens,
@@ -186,7 +190,7 @@ def routed_prefill_attention(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, req_
     masked_decode_attention. Rows with run_mask False read no K/V and get zeros."""
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask, float(sm_scale))
     if impl == "torch":
-        return _kernels("routed_prefill_attention").reference(*args)
+        return _kernels("routed_prefill_attention").torch_op(*args)
     if impl == "triton":
-        return _routed_prefill_attention(*args)
+        return _routed_prefill_attention(*args, tuned)
     raise _bad_impl(impl)

@@ -6,37 +6,86 @@ vskipper/skippers/base.py states it (run_value, project_value, gate_combine):
     RUN:     h1 = h + attn(x);  out = h1 + g * mlp(post_attention_layernorm(h1))   (g = 1 if hard)
     PROJECT: out = h + (1 - g) * adapter(post_attention_layernorm(h))             (identity if no adapter)
     padding (valid False): out = h
-Bodies compute it; which one a layer runs is decided once, at transform time, by `make_body`:
-  DenseBody         every row through attention, MLP and adapter; a mask selects;
-  RoutedBody        RUN rows gathered through attention and MLP, PROJECT rows through the adapter,
-                    scattered back, slicing to the real counts (reads them on the host: CPU);
-  FixedRoutedBody   the same with fixed shapes, device-side counts and vskipper's grouped ops
-                    (no host sync: CUDA graphs), in the ops implementation it was given;
-  either, with attend_all ("routed-mlp"): attention for every row as the engine computes it, only
-                    the MLP and the adapter routed (at short context attention is cheap and batched,
-                    while attending for a subset of rows has fixed costs of its own);
-  AutoBody          a dense and the routed bodies, and the cost model's chooser among them per step.
-Attention comes from the family's attention part, which knows the engine's cache:
-`all_rows(x, ctx)`, `some_rows(x, rows, ctx)`, `masked_rows(x, run, ctx, impl)`; all write K/V
-for every row. Shapes: T = rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
+Bodies compute it; which one a layer runs is decided once, at transform time, by `make_body` from
+the model's `Plan` (resolve_plan) and what the engine's attention part can do:
+  DenseBody         "dense": every row through attention, MLP and adapter; a mask selects;
+  RoutedBody        "routed": RUN rows gathered through attention and MLP, PROJECT rows through the
+                    adapter, scattered back, slicing to the real counts (read on the host: CPU);
+                    "routed-mlp": attention for every row as the engine computes it, only the MLP
+                    and the adapter routed (at short context attention is cheap and batched);
+  FixedRoutedBody   the same two kinds with fixed shapes, device-side counts and vskipper's grouped
+                    ops (no host sync: CUDA graphs), in the ops implementation of the plan;
+  AutoBody          dense and routed bodies, and the cost model's chooser among them per step.
+The bodies reach the engine only through the parts of vskipper/engines/parts.py. Shapes: T = rows,
+n = gathered rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vskipper import cost, ops
 from vskipper.config import Config
+from vskipper.engines.parts import AttentionPart, MLPPart
 from vskipper.guard import NoHostSync
 from vskipper.skippers.base import gate_combine, project_value, run_value
 
+ROUTED_KINDS = ("routed", "routed-mlp")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a model's routed layers run, resolved once at transform time (`resolve_plan`).
+
+    execution       Config.execution
+    impl            vskipper's ops implementation: "torch" or "triton" (Config.impl resolved)
+    fixed_shapes    the routed bodies keep fixed shapes and device-side counts (CUDA graphs)
+    tuned_kernels   Triton launches read this GPU's tuned configs (else their defaults)
+    decode, prefill the cost tables of `auto` (None: none for this device)
+    expected_run_fraction  the skipper's, what `auto` plans captured graphs with
+    shapes          why the shapes are what they are (for explain)"""
+
+    execution: str
+    impl: str
+    fixed_shapes: bool
+    tuned_kernels: bool = True
+    decode: cost.Calibration | None = None
+    prefill: cost.Calibration | None = None
+    expected_run_fraction: float | None = None
+    shapes: str = ""
+
+
+def resolve_plan(config: Config, device: torch.device, hidden: int, intermediate: int, dtype: torch.dtype,
+                 expected_run_fraction: float | None = None) -> Plan:
+    """Config + this device (+ its cost calibration, for auto) -> the Plan. Warns once when auto
+    has no calibration (dense-masked then) or no prefill table (prefill priced by decode's)."""
+    impl = ops.resolve_impl(config.impl, device)
+    fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
+    shapes = (f"static_shapes={config.static_shapes}" if config.static_shapes is not None
+              else f"{'fixed' if fixed else 'dynamic'} shapes on {device.type}")
+    decode = prefill = None
+    if config.execution == "auto":
+        dt = cost.dtype_name(dtype)
+        decode = cost.load(device, hidden, intermediate, dt)
+        if decode is None:
+            cost.warn_uncalibrated(device, hidden, intermediate, dt)
+        else:
+            prefill = cost.load(device, hidden, intermediate, dt, phase="prefill")
+            if prefill is None:
+                cost.warn_no_prefill(device, hidden, intermediate, dt)
+    return Plan(config.execution, impl, fixed, config.tuned_kernels, decode, prefill, expected_run_fraction, shapes)
+
 
 class Body:
-    """What a routed layer runs. `needs_maps`: the layer is given route_maps(run, valid, impl=maps_impl)."""
+    """What a routed layer runs. `name` is its kind ("dense", "routed", "routed-mlp", "auto");
+    `needs_maps`: the layer is given route_maps(run, valid, impl=maps_impl, tuned=tuned)."""
 
     name = "body"
-    needs_maps = True
+    needs_maps = False
     maps_impl = "torch"
+    tuned = True
 
     def __call__(self, layer: "RoutedLayer", h, x, g, run, valid, maps, ctx):
         raise NotImplementedError
@@ -51,42 +100,48 @@ class Body:
 
 class DenseBody(Body):
     name = "dense"
-    needs_maps = False
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
-        h1 = h + layer.attention.all_rows(x, ctx)  # [..., H]
+        h1 = h + layer.attention.attend_all(x, ctx)  # [..., H]
         m = layer.mlp(layer.post_norm(h1))
         p = None if layer.adapter is None else layer.adapter(layer.post_norm(h))
         return gate_combine(h, h1, m, p, g, run, valid, layer.soft)
 
     def describe(self) -> str:
-        return "dense-masked"
+        return "dense-masked (every row through attention, MLP and adapter; a mask selects)"
+
+
+def _kind(kind: str) -> str:
+    if kind not in ROUTED_KINDS:
+        raise ValueError(f"routed body kind {kind!r} is not one of {list(ROUTED_KINDS)}")
+    return kind
+
+
+def _what(kind: str) -> str:
+    return ("routed-mlp (attention for every row, MLP and adapter routed)" if kind == "routed-mlp"
+            else "routed (attention, MLP and adapter for their rows only)")
 
 
 class RoutedBody(Body):
     """Dynamic shapes: finds its rows and slices to the real counts, read on the host (no route maps:
-    a step in which every row runs needs only the count). attend_all: attention for every row (the
-    engine's own), MLP and adapter routed ("routed-mlp")."""
+    a step in which every row runs needs only the count)."""
 
-    needs_maps = False
-
-    def __init__(self, attend_all: bool = False) -> None:
-        self.attend_all = attend_all
-        self.name = "routed-mlp" if attend_all else "routed"
+    def __init__(self, kind: str = "routed") -> None:
+        self.name = _kind(kind)
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
         hf = h.reshape(-1, h.shape[-1])  # [T, H]
         ran = (run & valid).reshape(-1)  # [T]
         n_run = int(ran.sum())  # the dynamic form: data-dependent shapes are allowed here
         if n_run == hf.shape[0]:  # every row runs (rate 0; a step nothing skips): the decoder layer as
-            h1 = hf + layer.attention.all_rows(x, ctx).reshape(hf.shape)  # the engine computes it, no gathers
+            h1 = hf + layer.attention.attend_all(x, ctx).reshape(hf.shape)  # the engine computes it, no gathers
             return run_value(h1, layer.mlp(layer.post_norm(h1)), g.reshape(-1), layer.soft).view_as(h)
         out = hf.clone()  # PROJECT rows without an adapter, and padding, keep h
-        rr = ran.nonzero().squeeze(1)  # [n_run] ascending
-        if self.attend_all:
-            a = layer.attention.all_rows(x, ctx).reshape(hf.shape).index_select(0, rr)  # [n_run, H]
+        rr = ran.nonzero().squeeze(1)  # [n] ascending
+        if self.name == "routed-mlp":
+            a = layer.attention.attend_all(x, ctx).reshape(hf.shape).index_select(0, rr)  # [n, H]
         else:
-            a = layer.attention.some_rows(x, rr, ctx)  # [n_run, H]; K/V written for all rows
+            a = layer.attention.attend_rows(x, rr, ctx)  # [n, H]; K/V written for all rows
         if n_run:
             h1 = hf.index_select(0, rr) + a
             m = _mlp_rows(layer.mlp, layer.post_norm(h1), hf.shape[0])
@@ -95,13 +150,12 @@ class RoutedBody(Body):
             pr = (valid & ~run).reshape(-1).nonzero().squeeze(1)  # [n_proj] ascending
             if pr.numel():
                 hp = hf.index_select(0, pr)
-                out.index_copy_(0, pr, project_value(hp, layer.adapter(layer.post_norm(hp)), _rows_of(g, pr, layer.soft),
-                                                     layer.soft))
+                p = layer.adapter(layer.post_norm(hp))
+                out.index_copy_(0, pr, project_value(hp, p, _rows_of(g, pr, layer.soft), layer.soft))
         return out.view_as(h)
 
     def describe(self) -> str:
-        what = "attention for every row, MLP and adapter routed" if self.attend_all else "routed"
-        return f"{what}, dynamic shapes (torch; counts read on the host)"
+        return f"{_what(self.name)}, dynamic shapes (torch; counts read on the host)"
 
 
 def _rows_of(g, rows, soft: bool):
@@ -109,27 +163,31 @@ def _rows_of(g, rows, soft: bool):
     return g.reshape(-1).index_select(0, rows) if soft else None
 
 
+# On CPU, MKL's f32 GEMM below 16 rows takes a path that streams a weight too large for the cache once
+# per 3 rows (docs/architecture.md, "Facts the code relies on"): an MLP of 7-15 gathered rows is computed
+# as 16 when the batch has 16 or more.
+MLP_MIN_ROWS = 16
+
+
 def _mlp_rows(mlp, y, T: int):
-    """mlp(y) for y's n gathered rows [n, H]. On CPU, 7-15 rows are computed as 16 (padded with copies
-    of the first, then dropped) when the batch has 16 or more: below 16 rows MKL's f32 GEMM takes a
-    path that streams a weight too large for the cache once per 3 rows. Measured for SmolLM2-135M's
-    MLP, one thread, 2-CPU Xeon VM (2026-12-01): 6 rows 0.79 ms, 8 rows 1.13, 12 rows 1.48, 15 rows
-    1.84, 16 rows 1.07, 32 rows 1.46; a routed layer at batch 32 with half the rows RUN (12-20 of them)
-    saved nothing without this."""
+    """mlp(y) for y's n gathered rows [n, H], padded with copies of the first row to MLP_MIN_ROWS
+    (then dropped) on CPU when 7 <= n < MLP_MIN_ROWS <= T."""
     n = y.shape[0]
-    if y.is_cpu and 7 <= n < 16 <= T:
-        return mlp(torch.cat([y, y[:1].expand(16 - n, -1)]))[:n]
+    if y.is_cpu and 7 <= n < MLP_MIN_ROWS <= T:
+        return mlp(torch.cat([y, y[:1].expand(MLP_MIN_ROWS - n, -1)]))[:n]
     return mlp(y)
 
 
 class FixedRoutedBody(Body):
-    """Fixed shapes, device-side counts, vskipper's grouped ops: no host sync (CUDA graphs).
-    attend_all: attention for every row (the engine's own), MLP and adapter routed ("routed-mlp")."""
+    """Fixed shapes, device-side counts, vskipper's grouped ops: no host sync (CUDA graphs). Kind
+    "routed" needs an attention part with a fixed-shape masked form (AttentionPart.masks_rows)."""
 
-    def __init__(self, impl: str, attend_all: bool = False) -> None:
+    needs_maps = True
+
+    def __init__(self, kind: str, impl: str, tuned: bool = True) -> None:
+        self.name = _kind(kind)
         self.impl = self.maps_impl = impl
-        self.attend_all = attend_all
-        self.name = "routed-mlp" if attend_all else "routed"
+        self.tuned = tuned
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
         run_rows, project_rows, counts = maps
@@ -137,41 +195,42 @@ class FixedRoutedBody(Body):
         hf = h.reshape(-1, H)  # [T, H]
         gf = g.reshape(-1).to(h.dtype) if layer.soft else None  # [T]
         ran = (run & valid).reshape(-1)  # [T]
-        if self.attend_all:
-            a = layer.attention.all_rows(x, ctx).reshape(-1, H)  # [T, H]
+        if self.name == "routed-mlp":
+            a = layer.attention.attend_all(x, ctx).reshape(-1, H)  # [T, H]
         else:
-            a = layer.attention.masked_rows(x, ran, ctx, self.impl).reshape(-1, H)  # [T, H]
+            a = layer.attention.attend_masked(x, ran, ctx, self.impl, self.tuned).reshape(-1, H)  # [T, H]
         h1 = hf + a
-        rank_sum = getattr(layer.mlp, "rank_sum", None)
-        if rank_sum is None:
+        mlp = layer.mlp
+        if not mlp.partial_sums:
             out = hf.clone()
-            ops.grouped_swiglu_(out, h1, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(),
-                                gf, impl=self.impl)  # run_value
+            ops.grouped_swiglu_(out, h1, layer.post_norm(h1), run_rows, counts[0:1], *mlp.swiglu_weights(), gf,
+                                impl=self.impl, tuned=self.tuned)  # run_value
         else:  # tensor parallel: this rank's MLP shard gives a partial sum; complete it, then add the residual
             acc = torch.zeros_like(hf)
-            ops.grouped_swiglu_(acc, acc, layer.post_norm(h1), run_rows, counts[0:1], *layer.mlp_weights(), gf,
-                                impl=self.impl)
-            out = torch.where(ran.unsqueeze(-1), h1 + rank_sum(acc), hf)
+            ops.grouped_swiglu_(acc, acc, layer.post_norm(h1), run_rows, counts[0:1], *mlp.swiglu_weights(), gf,
+                                impl=self.impl, tuned=self.tuned)
+            out = torch.where(ran.unsqueeze(-1), h1 + mlp.rank_sum(acc), hf)
         if layer.adapter is not None:
             ops.grouped_swiglu_(out, hf, layer.post_norm(hf), project_rows, counts[1:2],
                                 *layer.adapter.swiglu_weights(), 1 - gf if layer.soft else None,
-                                impl=self.impl)  # project_value
+                                impl=self.impl, tuned=self.tuned)  # project_value
         return out.view_as(h)
 
     def describe(self) -> str:
-        what = "attention for every row, MLP and adapter routed" if self.attend_all else "routed"
-        return f"{what}, fixed shapes ({self.impl} ops; no host sync)"
+        return f"{_what(self.name)}, fixed shapes ({self.impl} ops; no host sync)"
 
 
 class AutoBody(Body):
-    """A dense body and routed ones (by name: "routed", "routed-mlp"), and the chooser among them."""
+    """A dense body and routed ones (by kind), and the chooser among them."""
 
     name = "auto"
 
     def __init__(self, bodies: dict[str, Body], chooser: cost.Chooser) -> None:
         self.bodies, self.chooser = bodies, chooser
-        self.needs_maps = bodies["routed"].needs_maps
-        self.maps_impl = bodies["routed"].maps_impl
+        routed = [b for b in bodies.values() if b.needs_maps]
+        self.needs_maps = bool(routed)
+        if routed:
+            self.maps_impl, self.tuned = routed[0].maps_impl, routed[0].tuned
 
     def select(self, layer, h, x, run, valid, maps, ctx) -> Body:
         # the RUN count: the maps' (on the device: fixed shapes) or read here (dynamic bodies, no maps)
@@ -186,45 +245,42 @@ class AutoBody(Body):
                 f"by the cost model")
 
 
-def make_bodies(config: Config, device: torch.device) -> dict[str, Body]:
-    """Every body a routed layer of a model on `device` can run, by execution name."""
-    impl = ops.resolve_impl(config.impl, device)
-    fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
-    if fixed:
-        return {"dense": DenseBody(), "routed": FixedRoutedBody(impl), "routed-mlp": FixedRoutedBody(impl, True)}
-    return {"dense": DenseBody(), "routed": RoutedBody(), "routed-mlp": RoutedBody(True)}
+def routed_body(plan: Plan, kind: str) -> Body:
+    return FixedRoutedBody(kind, plan.impl, plan.tuned_kernels) if plan.fixed_shapes else RoutedBody(kind)
 
 
-def make_body(config: Config, device: torch.device, calibration: cost.Calibration | None,
-              expected_run_fraction: float | None = None,
-              prefill_calibration: cost.Calibration | None = None) -> tuple[Body, str]:
-    """The body of one routed layer of a model on `device`, and why: decided here, once.
-    expected_run_fraction: the skipper's, what auto plans captured graphs with. calibration prices
-    decode steps, prefill_calibration extend steps (None: the decode table prices them too)."""
-    impl = ops.resolve_impl(config.impl, device)
-    fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
-    bodies = make_bodies(config, device)
-    shapes = (f"static_shapes={config.static_shapes}" if config.static_shapes is not None
-              else f"fixed shapes on {device.type}" if fixed else f"dynamic shapes on {device.type}")
-    if config.execution == "dense":
-        return bodies["dense"], "execution='dense'"
-    if config.execution != "auto":
-        return bodies[config.execution], f"execution={config.execution!r}, {shapes}, impl={impl!r}"
-    if calibration is None:
-        return bodies["dense"], "execution='auto' without a cost calibration for this device (run `vskipper calibrate`)"
-    timed = set(calibration.bodies()) | set(prefill_calibration.bodies() if prefill_calibration is not None else ())
-    bodies = {name: body for name, body in bodies.items() if name in timed}
-    prefill = (f"prefill calibration {prefill_calibration.key()!r}" if prefill_calibration is not None
+def make_body(plan: Plan, attention: AttentionPart) -> tuple[Body, str]:
+    """The body of one routed layer and why: decided here, once. A fixed-shape "routed" body needs
+    an attention part that masks rows; where the engine has none (transformers), the layer runs
+    "routed-mlp" and the reason says so."""
+    if plan.execution == "dense":
+        return DenseBody(), "execution='dense'"
+    no_mask = plan.fixed_shapes and not attention.masks_rows
+    why_mlp = (f"; {type(attention).__name__} has no fixed-shape masked attention, so attention runs for "
+               f"every row" if no_mask else "")
+    if plan.execution != "auto":
+        kind = "routed-mlp" if no_mask else plan.execution
+        return routed_body(plan, kind), (f"execution={plan.execution!r}, {plan.shapes}, impl={plan.impl!r}"
+                                         f"{why_mlp if plan.execution == 'routed' else ''}")
+    if plan.decode is None:
+        return DenseBody(), "execution='auto' without a cost calibration for this device (run `vskipper calibrate`)"
+    timed = set(plan.decode.bodies()) | set(plan.prefill.bodies() if plan.prefill is not None else ())
+    bodies: dict[str, Body] = {"dense": DenseBody()}
+    for kind in ROUTED_KINDS:
+        if kind in timed and not (kind == "routed" and no_mask):
+            bodies[kind] = routed_body(plan, kind)
+    prefill = (f"prefill calibration {plan.prefill.key()!r}" if plan.prefill is not None
                else "no prefill calibration: prefill priced by the decode table")
-    return (AutoBody(bodies, cost.Chooser(calibration, expected_run_fraction, prefill=prefill_calibration)),
-            f"execution='auto', {shapes}, impl={impl!r}, calibration {calibration.key()!r}, {prefill}")
+    chooser = cost.Chooser(plan.decode, plan.expected_run_fraction, prefill=plan.prefill, bodies=tuple(bodies))
+    return AutoBody(bodies, chooser), (f"execution='auto', {plan.shapes}, impl={plan.impl!r}, calibration "
+                                       f"{plan.decode.key()!r}, {prefill}{why_mlp if 'routed' in timed else ''}")
 
 
 class RoutedLayer(nn.Module):
     """A routed decoder layer: the layer's own parts and the skipper's adapter, run by `body`."""
 
-    def __init__(self, index: int, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module,
-                 adapter: nn.Module | None, gate: str, body: Body, mlp_weights=None, check_sync: bool = False) -> None:
+    def __init__(self, index: int, attention: AttentionPart, post_norm: nn.Module, mlp: MLPPart,
+                 adapter: nn.Module | None, gate: str, body: Body, check_sync: bool = False) -> None:
         super().__init__()
         self.index = index
         self.attention = attention
@@ -234,10 +290,6 @@ class RoutedLayer(nn.Module):
         self.soft = gate == "soft"
         self.body = body
         self.check_sync = check_sync
-        self._mlp_weights = mlp_weights  # mlp -> (w_gate, w_up, w_down), for the fixed-shape body
-
-    def mlp_weights(self):
-        return self._mlp_weights(self.mlp)
 
     def forward(self, h, x, g, run, valid, maps, **ctx):
         # h, x [..., H]; g, run, valid [...]; maps = route_maps(run, valid) or None (dense)

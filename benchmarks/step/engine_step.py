@@ -83,7 +83,7 @@ def layer_sets(model, systems):
     """{system: (decoder layers, vskipper state or None)}: each system's layers over one model."""
     import vskipper
     from benchmarks.step.runner import use
-    from vskipper.models.sglang import SGLangRoutedLayer
+    from vskipper.engines.sglang_layer import SGLangRoutedLayer
 
     inner = model.model
     upstream = list(inner.layers)
@@ -99,7 +99,7 @@ def layer_sets(model, systems):
         if not routed_extend:  # this system's attention parts attend for all rows in extend batches
             for layer in layers:
                 if isinstance(layer, SGLangRoutedLayer):
-                    attention = layer._vskipper_layer.get_submodule(f"routed.{layer.layer_id}").attention
+                    attention = layer.graph.get_submodule(f"routed.{layer.layer_id}").attention
                     attention._routes_extend = lambda fb: False
         out[name] = (layers, model.vskipper)
     return out

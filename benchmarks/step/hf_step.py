@@ -106,7 +106,7 @@ def decode(args, base, tok, clock) -> tuple[str, dict]:
 
 
 def prefill(args, base, clock) -> tuple[str, dict]:
-    import vskipper.models.hf as hf
+    import vskipper.engines.hf as hf
 
     sk = vskipper.parse_skipper(args.skipper)
     models = {b: vskipper.transform(copy.deepcopy(base), copy.deepcopy(sk), vskipper.Config(execution=b))

@@ -10,14 +10,15 @@ the GPU name and the torch, triton and vskipper versions it was measured with:
 Keys under an op are token-count buckets (the next power of two). Tables are looked up in the
 cache (`<vskipper cache>/kernel_configs`, written by `bench/kernel_timings.py --tune`), then in
 this package. A table whose stamp does not match this GPU and these versions is ignored with a
-warning, never trusted. Without a table, or with VSKIPPER_AUTOTUNE=0, every op uses the untuned
-defaults written in its own file (`vskipper/triton_kernels/<op>.py`, `default_config`).
+warning, never trusted. Without a table, or where the model's plan says untuned
+(Config(tuned_kernels=False), VSKIPPER_AUTOTUNE=0 in SGLang), every op uses the untuned defaults
+written in its own file (`vskipper/triton_kernels/<op>.py`, `default_config`). Nothing here reads
+the environment.
 """
 from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,20 +27,11 @@ import torch
 from vskipper import cache
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-AUTOTUNE_VALUES = ("0", "1")
 
 
 def bucket(tokens: int) -> int:
     """Token counts are bucketed to the next power of two (at least 1)."""
     return 1 << max(0, int(tokens) - 1).bit_length()
-
-
-def autotune_enabled() -> bool:
-    """The one place VSKIPPER_AUTOTUNE is read: "0" pins the defaults, "1" or unset uses tuned tables."""
-    value = os.environ.get("VSKIPPER_AUTOTUNE", "1")
-    if value not in AUTOTUNE_VALUES:
-        raise ValueError(f"VSKIPPER_AUTOTUNE={value!r} is not one of {list(AUTOTUNE_VALUES)}")
-    return value == "1"
 
 
 def search_dirs() -> list[Path]:
@@ -73,12 +65,13 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def lookup(op: str, tokens: int, device: torch.device, default: Callable[[int], dict]) -> dict:
-    """The launch config of `op` for `tokens` rows on `device`: tuned if a trusted table has it
-    (the bucket itself, else the largest tuned bucket below it), else `default(bucket)`."""
+def lookup(op: str, tokens: int, device: torch.device, default: Callable[[int], dict], tuned: bool = True) -> dict:
+    """The launch config of `op` for `tokens` rows on `device`: where `tuned`, the tuned one if a
+    trusted table has it (the bucket itself, else the largest tuned bucket below it); else
+    `default(bucket)`."""
     b = bucket(tokens)
     cfg = default(b)
-    if device.type != "cuda" or not autotune_enabled():
+    if device.type != "cuda" or not tuned:
         return cfg
     index = device.index if device.index is not None else torch.cuda.current_device()
     return pick(tuned_table(_gpu_name(index)).get(op, {}), b, cfg)

@@ -65,7 +65,8 @@ def skipper_fields(cfg: dict, path) -> dict:
     if not isinstance(layers, list) or not layers or not all(
         isinstance(i, int) and not isinstance(i, bool) for i in layers
     ):
-        raise CheckpointError(f"{where}: config.json routing_layers={layers!r} must be a non-empty list of layer indices")
+        raise CheckpointError(f"{where}: config.json routing_layers={layers!r} must be a non-empty list of layer "
+                              f"indices")
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
         raise CheckpointError(

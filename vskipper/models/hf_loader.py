@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vskipper.models.checkpoint import CheckpointError, DD_ARCHITECTURES, save_tensors
+from vskipper.models.checkpoint import DD_ARCHITECTURES, CheckpointError, save_tensors
 
 # family -> (transformers module, config class, causal LM class, rotary class)
 HF_CLASSES = {

@@ -71,7 +71,8 @@ class RoutePass(Pass):
                 gate = g.call_function(operator.getitem, (dec, 0))
                 run = g.call_function(operator.getitem, (dec, 1))
                 bad = g.call_function(operator.getitem, (dec, 2))
-                maps = (g.call_function(ops.route_maps, (run, ph["valid"]), {"impl": body.maps_impl})
+                maps = (g.call_function(ops.route_maps, (run, ph["valid"]),
+                                        {"impl": body.maps_impl, "tuned": body.tuned})
                         if body.needs_maps else None)
                 g.call_module(f"counters.{i}", (run, ph["valid"], bad))
                 out = g.call_module(f"routed.{i}", (h, x, gate, run, ph["valid"], maps), dict(node.kwargs))

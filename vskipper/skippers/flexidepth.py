@@ -176,23 +176,26 @@ class FlexiDepth(Skipper):
                 p.copy_(tensors[key].to(p.dtype))
 
     @classmethod
-    def from_fields(cls, f: Mapping, gate: str | None = None) -> "FlexiDepth":
+    def from_fields(cls, f: Mapping, gate: str | None = None, threshold: float | None = None) -> "FlexiDepth":
         """A FlexiDepth (weights not loaded yet) from the validated skipper fields of a skip-aware
         config.json (`vskipper.models.checkpoint.skipper_fields`): what every loader builds before it
-        reads the tensors. `gate` overrides the checkpoint's gate_mode."""
+        reads the tensors. `gate` overrides the checkpoint's gate_mode; `threshold` FlexiDepth's 0.5
+        (a token RUNs a layer when g > threshold: higher runs more, lower skips more)."""
         return cls(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
                    rms_norm_eps=f["rms_norm_eps"], gate=gate or f["gate_mode"],
+                   threshold=0.5 if threshold is None else threshold,
                    router_reduction_factor=f["router_reduction_factor"],
                    proj_reduction_factor=f["proj_reduction_factor"], expected_run_fraction=f["expected_run_fraction"])
 
     @classmethod
-    def from_pretrained(cls, path, gate: str | None = None, dtype: torch.dtype = torch.float32) -> "FlexiDepth":
+    def from_pretrained(cls, path, gate: str | None = None, dtype: torch.dtype = torch.float32,
+                        threshold: float | None = None) -> "FlexiDepth":
         """Read a FlexiDepth skipper from a checkpoint directory (config.json + *.safetensors).
 
         Only safetensors are read: pickled weights are refused, remote code is never run."""
         from vskipper.models.checkpoint import load_tensors, read_config, skipper_fields
 
-        skipper = cls.from_fields(skipper_fields(read_config(path), path), gate=gate)
+        skipper = cls.from_fields(skipper_fields(read_config(path), path), gate=gate, threshold=threshold)
         tensors = load_tensors(path, keys=skipper.expected_shapes())
         skipper.load_flexidepth_state_dict(tensors, source=str(path))
         return skipper.to(dtype)

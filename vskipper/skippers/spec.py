@@ -4,6 +4,8 @@
     static:layers=20,22,24-27               Static
     flexidepth:path=/ckpt[,gate=hard]       FlexiDepth.from_pretrained(path)
     flexidepth:name=smollm2-135m-flexidepth a skipper shipped in the package (vskipper/data/skippers/)
+    flexidepth:name=...,threshold=0.7       its router's threshold (default 0.5): a token RUNs a layer
+                                            when g > threshold, so a higher one skips less
 
 Layer lists take single indices and inclusive ranges `a-b`; a bare item after `layers=`
 continues the list. Every error is a ValueError naming the spec and the bad field.
@@ -15,7 +17,7 @@ from vskipper.skippers.base import Skipper
 KINDS = {
     "random": ("rate", "layers", "seed"),
     "static": ("layers",),
-    "flexidepth": ("path", "name", "gate"),
+    "flexidepth": ("path", "name", "gate", "threshold"),
 }
 REQUIRED = {"random": ("rate", "layers"), "static": ("layers",), "flexidepth": ()}
 
@@ -86,7 +88,8 @@ def _number(spec: str, key: str, value: str, kind=float):
     try:
         return kind(value)
     except ValueError:
-        raise ValueError(f"skipper spec {spec!r}: {key}={value!r} is not a{'n integer' if kind is int else ' number'}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"skipper spec {spec!r}: {key}={value!r} is not {what}") from None
 
 
 def parse_skipper(spec: str) -> Skipper:
@@ -104,11 +107,12 @@ def parse_skipper(spec: str) -> Skipper:
             )
         if kind == "static":
             return Static(parse_layers(f["layers"], spec))
+        threshold = _number(spec, "threshold", f["threshold"]) if "threshold" in f else None
         if "name" in f:
             from vskipper.skippers.shipped import shipped_dir
 
-            return FlexiDepth.from_pretrained(str(shipped_dir(f["name"])), gate=f.get("gate"))
-        return FlexiDepth.from_pretrained(f["path"], gate=f.get("gate"))
+            return FlexiDepth.from_pretrained(str(shipped_dir(f["name"])), gate=f.get("gate"), threshold=threshold)
+        return FlexiDepth.from_pretrained(f["path"], gate=f.get("gate"), threshold=threshold)
     except ValueError as e:
         if str(e).startswith("skipper spec"):
             raise

@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", help="base model directory (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--layers", help="routed layers, e.g. 15-29 (default: the second half of the model's layers)")
     p.add_argument("--data", default=",".join(d.data),
-                   help=f"prompt sets to self-distill, comma-separated, from {', '.join(DATA_SETS)} (default %(default)s)")
+                   help=f"prompt sets to self-distill, comma-separated, from {', '.join(DATA_SETS)} "
+                        f"(default %(default)s)")
     p.add_argument("--gate", choices=["soft", "hard"], default=d.gate)
     p.add_argument("--loss", choices=["kl", "lm"], default=d.loss)
     p.add_argument("--penalty", default=str(d.penalty), help=f"skip penalty weight (default {d.penalty})")

@@ -32,8 +32,8 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
     SmolLM2-135M-Instruct) on the training split of the shipped prompts, and write `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vskipper.data import load
     from vskipper.cache import root as cache_root
+    from vskipper.data import load
     from vskipper.models.smollm2 import smollm2_dir
     from vskipper.training.data import cached_targets, model_tag, self_distillation, split_prompts
     from vskipper.training.shipped import TOKENIZER_FILES, write_skipper_dir

@@ -75,8 +75,8 @@ def build_checkpoint(dest_dir=None, skipper=DEFAULT, base_dir=None) -> Path:
     <vskipper cache>/<skipper name>-checkpoint. Reused when it was built from the same files."""
     from transformers import AutoModelForCausalLM
 
-    from vskipper.models.hf_loader import save_checkpoint
     from vskipper.cache import root as cache_root
+    from vskipper.models.hf_loader import save_checkpoint
     from vskipper.models.smollm2 import smollm2_dir
 
     sk_dir = Path(skipper) if Path(skipper).is_dir() else shipped_dir(str(skipper))

@@ -1,7 +1,7 @@
 """What every op file shares: the optional Triton import, interpreter detection, argument checks.
 
 Triton is optional: without it (a CPU-only or macOS install) the op files still import, their
-torch references work, and a launcher raises a ValueError that says how to choose the reference.
+torch forms (`torch_op`) work, and a launcher raises a ValueError that says how to choose them.
 """
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def check_launchable(op: str, kernel, device: torch.device) -> None:
-    expect(HAS_TRITON, op, "Triton is not installed; use Config(impl='torch') (VSKIPPER_IMPL=torch in SGLang) for the torch reference")
+    expect(HAS_TRITON, op, "Triton is not installed; use Config(impl='torch') (VSKIPPER_IMPL=torch in SGLang) "
+                           "for the ops in plain torch")
     expect(device.type == "cuda" or interpreted(kernel), op,
            f"the Triton kernel needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before "
            "vskipper's kernels are imported, or use Config(impl='torch')")

@@ -16,8 +16,22 @@ import torch.nn.functional as F
 
 from vskipper import kernel_configs
 from vskipper.triton_kernels._common import (
-    FLOATS, INDEXES, check_count, check_devices, check_dim, check_dtype, check_inner_contiguous,
-    check_launchable, check_contiguous, dot_flags, expect, grouped_tile, stages_for, tl, triton)
+    FLOATS,
+    INDEXES,
+    check_contiguous,
+    check_count,
+    check_devices,
+    check_dim,
+    check_dtype,
+    check_inner_contiguous,
+    check_launchable,
+    dot_flags,
+    expect,
+    grouped_tile,
+    stages_for,
+    tl,
+    triton,
+)
 
 
 def default_config(bucket: int) -> dict:
@@ -147,7 +161,7 @@ def check(out, residual, x, rows, count, w_gate, w_up, w_down, weight) -> None:
                   w_down=w_down, weight=weight)
 
 
-def launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> None:
+def launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None, tuned: bool = True) -> None:
     check(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
     op = "grouped_swiglu_"
     check_launchable(op, _gate_up_kernel, x.device)
@@ -160,9 +174,9 @@ def launch(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> 
     R, (T, H), I = rows.shape[0], x.shape, w_gate.shape[0]
     if R == 0 or T == 0 or H == 0:
         return
-    if I == 0:  # an empty MLP adds zero: the rows named become their residual, as in the reference
-        return reference(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
-    cfg = kernel_configs.lookup(op, R, x.device, default_config)
+    if I == 0:  # an empty MLP adds zero: the rows named become their residual, as in torch_op
+        return torch_op(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
+    cfg = kernel_configs.lookup(op, R, x.device, default_config, tuned)
     upcast, precision = dot_flags(x.dtype, _gate_up_kernel)
     h = x.new_empty(R, I)  # silu(gate) * up of the compact rows; rows past the count stay unwritten
     c = cfg["gate_up"]
@@ -187,7 +201,7 @@ def _swiglu(x, w_gate, w_up, w_down):
     return (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
 
-def reference(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> None:
+def torch_op(out, residual, x, rows, count, w_gate, w_up, w_down, weight=None) -> None:
     """Fixed shapes, no host sync: every entry of the map through the MLP (entries past the count
     read row 0 and are discarded), then each out row finds the j < count that names it
     (scatter_reduce amax: deterministic, entries past the count cannot win) and one dense where()

@@ -16,8 +16,19 @@ import torch
 
 from vskipper import kernel_configs
 from vskipper.triton_kernels._common import (
-    FLOATS, INDEXES, check_devices, check_dim, check_dtype, check_inner_contiguous, check_launchable,
-    dot_flags, expect, stages_for, tl, triton)
+    FLOATS,
+    INDEXES,
+    check_devices,
+    check_dim,
+    check_dtype,
+    check_inner_contiguous,
+    check_launchable,
+    dot_flags,
+    expect,
+    stages_for,
+    tl,
+    triton,
+)
 
 
 def default_config(bucket: int) -> dict:
@@ -101,7 +112,8 @@ def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_m
                   req_pool_indices=req_pool_indices, seq_lens=seq_lens, run_mask=run_mask)
 
 
-def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
+def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float,
+           tuned: bool = True):
     check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask)
     op = "masked_decode_attention"
     check_launchable(op, _masked_decode_attention_kernel, q.device)
@@ -114,7 +126,7 @@ def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_
     o = torch.empty(B, nh, d, dtype=q.dtype, device=q.device)
     if B == 0 or nh == 0 or d == 0:
         return o
-    cfg = kernel_configs.lookup(op, B, q.device, default_config)
+    cfg = kernel_configs.lookup(op, B, q.device, default_config, tuned)
     group = nh // kvh
     upcast, precision = dot_flags(q.dtype, _masked_decode_attention_kernel)
     _masked_decode_attention_kernel[(B, kvh)](
@@ -138,7 +150,7 @@ def _attend(q, k, v, attended, sm_scale: float):
     return (p @ v.float().transpose(1, 2)).reshape(B, nh, d)  # [B, kvh, G, d] -> [B, nh, d]
 
 
-def reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
+def torch_op(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
     """Fixed shapes, no host sync: every row gathers all C columns (slots clamped into the pool),
     masked to its sequence; skipped rows are zeroed. Only for tiny shapes: it holds [B, C, kvh, d]."""
     check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask)
@@ -151,7 +163,7 @@ def reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, r
     return torch.where(run_mask[:, None, None], o, 0.0).to(q.dtype)
 
 
-def reference_dynamic(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
+def torch_op_dynamic(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float):
     """CPU serving path (may sync): gathers only the RUN rows' K/V, up to their longest sequence
     (index_select: half the time of advanced indexing), and attends with torch's SDPA, the query
     heads of a KV head as its query rows (GQA without copies; measured 1.5-3x faster than `_attend`

@@ -12,7 +12,15 @@ import torch
 
 from vskipper import kernel_configs
 from vskipper.triton_kernels._common import (
-    check_devices, check_dim, check_dtype, check_launchable, check_contiguous, expect, tl, triton)
+    check_contiguous,
+    check_devices,
+    check_dim,
+    check_dtype,
+    check_launchable,
+    expect,
+    tl,
+    triton,
+)
 
 # Rows per program: the bucket itself up to 1024, so every decode batch SGLang captures (<= 1024
 # rows) is one program and one launch; untuned (no GPU measured yet). 1024 int1 lanes scan in one
@@ -100,7 +108,7 @@ def check(run_mask: torch.Tensor, valid: torch.Tensor | None) -> None:
     expect(run_mask.shape[0] < 2**31, "route_maps", f"T = {run_mask.shape[0]} rows do not fit int32 maps")
 
 
-def launch(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
+def launch(run_mask: torch.Tensor, valid: torch.Tensor | None = None, tuned: bool = True):
     """run_mask [T] bool, valid [T] bool | None -> (run_rows [T] int32, project_rows [T] int32, counts [2] int32)."""
     check(run_mask, valid)
     check_launchable("route_maps", _compact_kernel, run_mask.device)
@@ -113,7 +121,7 @@ def launch(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
     if T == 0:
         return run_rows, project_rows, torch.zeros(2, **new)
     counts = torch.empty(2, **new)
-    cfg = kernel_configs.lookup("route_maps", T, run_mask.device, default_config)
+    cfg = kernel_configs.lookup("route_maps", T, run_mask.device, default_config, tuned)
     block, warps = cfg["BLOCK"], cfg["num_warps"]
     num_blocks = triton.cdiv(T, block)
     run_u8 = run_mask.view(torch.uint8)
@@ -129,7 +137,7 @@ def launch(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
     return run_rows, project_rows, counts
 
 
-def reference(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
+def torch_op(run_mask: torch.Tensor, valid: torch.Tensor | None = None):
     """The same maps in plain torch: fixed shapes, no host sync, deterministic (a stable sort puts
     each map's members first, both in ascending order)."""
     check(run_mask, valid)

@@ -10,11 +10,11 @@ layout: row start of b = sum(extend_lens[:b]), sum(extend_lens) = T). Row i of r
 token at position p = prefix_lens[b] + i; a RUN row attends the request's first p + 1 tokens
 (pool slots req_to_token[req_pool_indices[b], :p + 1]: the cached prefix and the chunk's earlier
 tokens, whether they ran or not), which is masked_decode_attention of one row with sequence length
-p + 1 (its reference is this op's oracle in the tests). The chunk's own K/V must already be in the
+p + 1 (masked_decode_attention's torch_op is this op's oracle in the tests). The chunk's own K/V must already be in the
 pool. Rows whose run_mask is False get zeros.
 
 Two forms:
-  reference  per request: gather its K/V once and its RUN queries, SDPA with a position-based
+  torch_op   per request: gather its K/V once and its RUN queries, SDPA with a position-based
              causal mask over blocks of BLOCK_ROWS queries, each block over the keys up to its last
              position. Reads the lengths on the host (prefill is never captured in a graph).
   launch     the Triton kernel, no host sync: one program per (request, block of BLOCK_M rows,
@@ -28,11 +28,22 @@ import torch.nn.functional as F
 
 from vskipper import kernel_configs
 from vskipper.triton_kernels._common import (
-    FLOATS, INDEXES, check_devices, check_dim, check_dtype, check_inner_contiguous, check_launchable,
-    dot_flags, expect, stages_for, tl, triton)
+    FLOATS,
+    INDEXES,
+    check_devices,
+    check_dim,
+    check_dtype,
+    check_inner_contiguous,
+    check_launchable,
+    dot_flags,
+    expect,
+    stages_for,
+    tl,
+    triton,
+)
 
 OP = "routed_prefill_attention"
-# The reference attends blocks of this many RUN rows, each over the keys up to its last position (a
+# torch_op attends blocks of this many RUN rows, each over the keys up to its last position (a
 # causal mask alone does not skip the masked half). Measured on the 2-CPU VM, 1 thread, 1024 tokens,
 # 9/3 heads, d 64: half the rows RUN 8.6 ms per layer (64 rows: 8.3, 256: 9.3, one call: 12.4),
 # 75% RUN 11.8 ms (one call: 17.7); every row, causal: 15.5 ms.
@@ -116,7 +127,8 @@ def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, ex
         expect(t.shape[0] == req_pool_indices.shape[0], OP,
                f"{name} has {t.shape[0]} entries but req_pool_indices has B = {req_pool_indices.shape[0]}")
     check_dim(OP, "run_mask", run_mask, 1, "[T]")
-    expect(run_mask.shape[0] == q.shape[0], OP, f"run_mask has {run_mask.shape[0]} entries but q has T = {q.shape[0]} rows")
+    expect(run_mask.shape[0] == q.shape[0], OP,
+           f"run_mask has {run_mask.shape[0]} entries but q has T = {q.shape[0]} rows")
     check_dtype(OP, "run_mask", run_mask, (torch.bool,))
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         check_dtype(OP, name, t, FLOATS)
@@ -133,7 +145,7 @@ def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, ex
 
 
 def check_lengths(T: int, C: int, prefix_lens: list[int], extend_lens: list[int]) -> None:
-    """The host-side checks of the lengths (the reference reads them anyway; the kernel trusts them)."""
+    """The host-side checks of the lengths (torch_op reads them anyway; the kernel trusts them)."""
     expect(sum(extend_lens) == T, OP, f"extend_lens sum to {sum(extend_lens)} but q has T = {T} rows")
     for b, (pre, ext) in enumerate(zip(prefix_lens, extend_lens)):
         expect(pre >= 0 and ext >= 0 and pre + ext <= C, OP,
@@ -141,7 +153,7 @@ def check_lengths(T: int, C: int, prefix_lens: list[int], extend_lens: list[int]
 
 
 def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask,
-           sm_scale: float):
+           sm_scale: float, tuned: bool = True):
     check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask)
     check_launchable(OP, _routed_prefill_attention_kernel, q.device)
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("req_to_token", req_to_token)):
@@ -154,7 +166,7 @@ def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, e
     o = torch.empty(T, nh, d, dtype=q.dtype, device=q.device)
     if T == 0 or B == 0 or nh == 0 or d == 0:
         return o.zero_()
-    cfg = kernel_configs.lookup(OP, T, q.device, default_config)
+    cfg = kernel_configs.lookup(OP, T, q.device, default_config, tuned)
     starts = torch.cumsum(extend_lens, 0) - extend_lens  # [B], on the device
     upcast, precision = dot_flags(q.dtype, _routed_prefill_attention_kernel)
     # grid over T // BLOCK_M row blocks per request (no host read of the longest extend): the blocks
@@ -164,11 +176,12 @@ def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, e
         run_mask.view(torch.uint8), o, float(sm_scale), d, q.stride(0), q.stride(1), k_buffer.stride(0),
         k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
         GROUP=nh // kvh, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["BLOCK_N"],
-        UPCAST=upcast, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=stages_for(q.dtype, cfg["num_stages"]))
+        UPCAST=upcast, PRECISION=precision, num_warps=cfg["num_warps"],
+        num_stages=stages_for(q.dtype, cfg["num_stages"]))
     return o
 
 
-def reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask,
+def torch_op(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask,
               sm_scale: float):
     """Per request: its K/V gathered once, its RUN queries gathered, one SDPA in q's dtype with the
     causal mask by position (key j attended by the query at position p iff j <= p)."""

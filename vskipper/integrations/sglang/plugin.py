@@ -77,7 +77,9 @@ def after_load_model(result, runner, *args, **kwargs):
 def after_runner_forward(result, runner, *args, **kwargs):
     """After each model-runner step (outside the model's forward, so also when the step was a
     replayed CUDA graph): the stats reporter, if the runner has one, counts it."""
-    reporter = getattr(runner, "_vskipper_stats", None)
+    from vskipper.integrations.sglang.runtime import reporter_of
+
+    reporter = reporter_of(runner)
     if reporter is not None:
         fb = kwargs.get("forward_batch", args[0] if args else None)
         reporter.after_step(fb)

@@ -20,6 +20,8 @@ with their own fields only, so nothing can travel on it). A captured graph reads
 every replay; nothing in the model's forward syncs with the host."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from vskipper.control import DEFAULT, FIELD, parse
@@ -83,30 +85,28 @@ def namespace_cache(tokenized, manager, obj, *args, **kwargs):
 
 class BatchBudgets:
     """The per-row budgets of the batches one model runner runs, in one fixed device buffer (see the
-    module docstring); allocated at load, before SGLang captures any graph."""
+    module docstring); made at load, before the model is transformed (which hands it to the routed
+    layers) and before SGLang captures any graph."""
 
-    def __init__(self, model, rows: int) -> None:
-        from vskipper.models.sglang import SGLangRoutedLayer
-
-        self.n_layers = len(model.vskipper.skipper.layers)
-        self.rows = torch.full((rows,), self.n_layers, dtype=torch.int32, device=model.vskipper.device)
+    def __init__(self, n_layers: int, rows: int, device) -> None:
+        self.n_layers = n_layers
+        self.rows = torch.full((rows,), n_layers, dtype=torch.int32, device=device)
         self.active = False  # does the batch being run have a request with a setting (host side)
-        for layer in model.model.layers:
-            if isinstance(layer, SGLangRoutedLayer):
-                layer.budgets = self
+        self._budgets = weakref.WeakKeyDictionary()  # request -> its budget, parsed once per request
 
     def budget(self, req) -> int:
-        b = getattr(req, "_vskipper_budget", None)
+        b = self._budgets.get(req)
         if b is None:
             custom = req.sampling_params.custom_params
             value = custom.get(FIELD) if isinstance(custom, dict) else None
-            b = req._vskipper_budget = parse(value, f"custom_params.{FIELD}").budget(self.n_layers)
+            b = self._budgets[req] = parse(value, f"custom_params.{FIELD}").budget(self.n_layers)
         return b
 
     def fill(self, forward_batch, batch) -> None:
         """Write the budgets of this batch's rows: request i's over its extend_lens[i] rows at prefill
         (EXTEND, MIXED), one row per request at decode; every other batch (no request can set a budget
-        there: see check_generate_request) gets the default."""
+        there: see check_generate_request) gets the default. Host work O(requests); the copy to the
+        device does not wait for it (pinned memory on CUDA), and the rows are spread on the device."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         ids = forward_batch.input_ids
@@ -121,17 +121,25 @@ class BatchBudgets:
         if not self.active:
             self.rows[:T].fill_(self.n_layers)
             return
-        lens = [1] * len(budgets) if mode == ForwardMode.DECODE else batch.extend_lens
-        per_row = [b for b, n in zip(budgets, lens) for _ in range(n)]
-        if len(per_row) != T:
-            raise RuntimeError(f"vskipper: budgets for {len(per_row)} rows, the batch has {T}")
-        self.rows[:T].copy_(torch.tensor(per_row, dtype=torch.int32), non_blocking=True)
+        rows = sum(batch.extend_lens) if mode != ForwardMode.DECODE else len(budgets)
+        if rows != T:
+            raise RuntimeError(f"vskipper: budgets for {rows} rows, the batch has {T}")
+        device = self.rows.device
+        per_request = torch.tensor(budgets, dtype=torch.int32, pin_memory=device.type == "cuda")
+        per_request = per_request.to(device, non_blocking=True)
+        if mode != ForwardMode.DECODE:
+            lens = forward_batch.extend_seq_lens.to(device, non_blocking=True)
+            per_request = torch.repeat_interleave(per_request, lens, output_size=T)
+        self.rows[:T].copy_(per_request)
 
 
-def install(runner) -> None:
-    """Per-request control for this runner's transformed model: the budget buffer, sized for the
-    largest batch SGLang can form (the most requests of a decode step, or a prefill of up to the
-    context length plus the decode requests a mixed batch carries)."""
+_BUDGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> its BatchBudgets
+
+
+def make_budgets(runner, n_layers: int) -> BatchBudgets:
+    """Per-request control for this runner's model: the budget buffer, sized for the largest batch
+    SGLang can form (the most requests of a decode step, or a prefill of up to the context length plus
+    the decode requests a mixed batch carries). Kept for the runner's batches (after_forward_batch_init)."""
     sa = getattr(runner, "server_args", None)
 
     def arg(name):
@@ -140,12 +148,14 @@ def install(runner) -> None:
     context = getattr(getattr(runner, "model_config", None), "context_len", 0) or 0
     rows = (max(DECODE_ROWS, arg("max_running_requests"), arg("cuda_graph_max_bs"))
             + max(context, arg("max_prefill_tokens"), arg("chunked_prefill_size")))
-    runner._vskipper_budgets = BatchBudgets(runner.model, rows)
+    device = next(runner.model.parameters()).device
+    _BUDGETS[runner] = budgets = BatchBudgets(n_layers, rows, device)
+    return budgets
 
 
 def after_forward_batch_init(forward_batch, cls, batch, model_runner, *args, **kwargs):
     """AFTER hook of ForwardBatch.init_new."""
-    budgets = getattr(model_runner, "_vskipper_budgets", None)
+    budgets = _BUDGETS.get(model_runner)
     if budgets is not None and getattr(batch, "reqs", None) is not None:
         budgets.fill(forward_batch, batch)
     return forward_batch

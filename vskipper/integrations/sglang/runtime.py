@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 
@@ -36,8 +37,18 @@ def transform_loaded(runner) -> None:
         skipper = parse_skipper(settings.skipper_spec)
     else:
         return  # a stock model and no skipper: served unchanged
+    if settings.threshold is not None:
+        from vskipper.skippers.flexidepth import FlexiDepth
+
+        if not isinstance(skipper, FlexiDepth):
+            raise ValueError(f"VSKIPPER_THRESHOLD={settings.threshold!r} applies to a FlexiDepth router's gate; "
+                             f"{type(skipper).__name__} decides without one (unset VSKIPPER_THRESHOLD)")
+        skipper.threshold = settings.threshold
     check_supported(runner, skipper.layers)
-    vskipper.transform(model, skipper, settings.config())
+    from vskipper.integrations.sglang import requests
+
+    budgets = requests.make_budgets(runner, len(skipper.layers))
+    vskipper.transform(model, skipper, settings.config(), budgets=budgets)
     bodies = sorted({b.name for b in model.vskipper.bodies.values()})
     cost_state = ("calibrated for this device, picks dense/routed per step" if bodies == ["auto"] else
                   "not calibrated for this device, so dense-masked (run `vskipper calibrate`)"
@@ -46,9 +57,6 @@ def transform_loaded(runner) -> None:
                 type(skipper).__name__, settings.skipper_spec or "the checkpoint's own", list(skipper.layers),
                 settings.config(), cost_state)
     logger.info("%s", vskipper.explain(model))
-    from vskipper.integrations.sglang import requests
-
-    requests.install(runner)
     if settings.stats_interval:
         install_stats_logger(runner, settings.stats_interval)
     if settings.route_digest:
@@ -148,8 +156,15 @@ class StatsReporter:
                 self.export.update(st, by)
 
 
+_REPORTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> its StatsReporter
+
+
 def install_stats_logger(runner, interval: int) -> None:
-    runner._vskipper_stats = StatsReporter(runner.model, interval)
+    _REPORTERS[runner] = StatsReporter(runner.model, interval)
+
+
+def reporter_of(runner) -> StatsReporter | None:
+    return _REPORTERS.get(runner)
 
 
 def install_route_digest(model, directory: str, rank: int) -> None:

@@ -3,12 +3,15 @@ scheduler in subprocesses, which inherit the environment).
 
 VSKIPPER_SKIPPER         skipper spec for a stock Llama/Qwen3 model, e.g.
                          random:rate=0.5,layers=15-29,seed=0 (unset: serve the model unchanged)
-VSKIPPER_EXECUTION       auto | dense | routed                      (default auto)
+VSKIPPER_EXECUTION       auto | dense | routed | routed-mlp         (default auto)
 VSKIPPER_IMPL            auto | torch | triton: vskipper's ops; auto = triton on CUDA, torch on CPU
 VSKIPPER_STATIC_SHAPES   auto | 0 | 1: graph-safe routed body (fixed shapes, device-side counts);
                          auto = on for CUDA, off on CPU              (default auto)
 VSKIPPER_STATS_INTERVAL  log per-layer skip statistics every N decode steps; 0 = never (default 0)
 VSKIPPER_CHECK_SYNC      1 = fail on any host sync inside routed layers during decode (a test guard)
+VSKIPPER_THRESHOLD       the FlexiDepth router's threshold, in [0, 1] (unset: the skipper's own, 0.5):
+                         a token RUNs a routed layer when g > threshold, so a higher one skips less
+VSKIPPER_AUTOTUNE        1 | 0: Triton launches use this GPU's tuned configs | their defaults (default 1)
 VSKIPPER_ROUTE_DIGEST    a directory: each rank appends a digest of every routed layer's decisions
                          there (a debugging and test aid: it reads the decisions on the host)
 """
@@ -36,6 +39,8 @@ class Settings:
     stats_interval: int = 0
     check_sync: bool = False
     route_digest: str | None = None
+    tuned_kernels: bool = True
+    threshold: float | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -44,6 +49,17 @@ class Settings:
         if spec is not None:
             parse_skipper(spec)  # validate now: a ValueError naming the bad field
         static = _choice("VSKIPPER_STATIC_SHAPES", env.get("VSKIPPER_STATIC_SHAPES", "auto"), ("auto", "0", "1"))
+        threshold = env.get("VSKIPPER_THRESHOLD") or None
+        if threshold is not None:
+            try:
+                threshold = float(threshold)
+            except ValueError:
+                threshold = -1.0
+            if not 0.0 <= threshold <= 1.0:
+                raise ValueError(f"VSKIPPER_THRESHOLD={env['VSKIPPER_THRESHOLD']!r} must be a number in [0, 1]")
+        if threshold is not None and spec is not None and not spec.strip().lower().startswith("flexidepth"):
+            raise ValueError(f"VSKIPPER_THRESHOLD applies to a FlexiDepth router's gate; the skipper {spec!r} "
+                             f"decides without one (unset VSKIPPER_THRESHOLD)")
         interval = env.get("VSKIPPER_STATS_INTERVAL", "0")
         if not interval.isdigit():
             raise ValueError(f"VSKIPPER_STATS_INTERVAL={interval!r} must be an integer >= 0")
@@ -55,19 +71,24 @@ class Settings:
             stats_interval=int(interval),
             check_sync=_choice("VSKIPPER_CHECK_SYNC", env.get("VSKIPPER_CHECK_SYNC", "0"), ("0", "1")) == "1",
             route_digest=env.get("VSKIPPER_ROUTE_DIGEST") or None,
+            threshold=threshold,
+            tuned_kernels=_choice("VSKIPPER_AUTOTUNE", env.get("VSKIPPER_AUTOTUNE", "1"), ("0", "1")) == "1",
         )
 
     def config(self) -> Config:
         return Config(execution=self.execution, impl=self.impl, static_shapes=self.static_shapes,
-                      check_sync=self.check_sync)
+                      check_sync=self.check_sync, tuned_kernels=self.tuned_kernels)
 
     def to_env(self) -> dict[str, str]:
         env = {"VSKIPPER_EXECUTION": self.execution, "VSKIPPER_IMPL": self.impl,
                "VSKIPPER_STATIC_SHAPES": {None: "auto", True: "1", False: "0"}[self.static_shapes],
                "VSKIPPER_STATS_INTERVAL": str(self.stats_interval),
-               "VSKIPPER_CHECK_SYNC": "1" if self.check_sync else "0"}
+               "VSKIPPER_CHECK_SYNC": "1" if self.check_sync else "0",
+               "VSKIPPER_AUTOTUNE": "1" if self.tuned_kernels else "0"}
         if self.skipper_spec:
             env["VSKIPPER_SKIPPER"] = self.skipper_spec
         if self.route_digest:
             env["VSKIPPER_ROUTE_DIGEST"] = self.route_digest
+        if self.threshold is not None:
+            env["VSKIPPER_THRESHOLD"] = repr(self.threshold)
         return env

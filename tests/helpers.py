@@ -1,0 +1,63 @@
+"""What the tests share: tolerances and comparisons, prompts, padding and greedy decoding of tiny models.
+(Tiny models and skippers: tiny.py; a real SGLang engine: sglang_util.py.)"""
+from __future__ import annotations
+
+import torch
+
+from vskipper.skippers.base import sanitize_gate
+
+from tiny import VOCAB
+
+# One tolerance table per dtype (atol, rtol). fp32: the reference recomputes attention by hand
+# in a different reduction order, so last-bit noise accumulates over a few layers.
+TOL = {
+    torch.float32: (2e-5, 2e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+NEW_TOKENS = 24
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    atol, rtol = TOL[expected.dtype]
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {list(actual.shape)} != {list(expected.shape)}")
+    bad = ~torch.isclose(actual, expected, atol=atol, rtol=rtol)
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        worst = (actual - expected).abs().max().item()
+        raise AssertionError(f"{what}: {int(bad.sum())} mismatches (max abs diff {worst:.3g}), first at {idx}")
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {list(actual.shape)} != {list(expected.shape)}")
+    if not torch.equal(actual, expected):
+        idx = (actual != expected).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: {int((actual != expected).sum())} entries differ, first at {idx}")
+
+
+def prompts(lengths=(5, 11, 1), seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def left_pad(seqs):
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, L - len(s):], mask[b, L - len(s):] = s, 1
+    return ids, mask
+
+
+def greedy(model, ids, mask=None, n=NEW_TOKENS):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def fast_decisions(calls, layer, b=0, pad=0):
+    """Route decisions of sequence b from the recorded router outputs (prefill, then 1 per step)."""
+    outs = calls[layer]
+    seq = [outs[0][b, pad:]] + [o[b, -1:] for o in outs[1:]]
+    return sanitize_gate(torch.cat(seq), 0.5)[1]

@@ -1,0 +1,150 @@
+"""transformers (5.x) attention and MLP parts (the contract: vskipper/engines/parts.py).
+
+The attention part writes K/V of every row through transformers' cache and attends for the RUN
+rows only: at decode per run of consecutive rows, over the cache in place; in prefill per
+sequence, queries of the RUN rows over the layer's own mask. Shapes: B = batch, S = new tokens
+per sequence, Skv = cached + new, nh/kvh = heads, d = head dim, n = rows attended."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vskipper.engines.parts import AttentionPart, MLPPart
+from vskipper.models.rotary import apply_rope
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return apply_rope(t, cos.unsqueeze(1), sin.unsqueeze(1))  # t [B, heads, S, d]; cos/sin [B, S, d]
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive values in ascending `rows`, as (first, end) pairs."""
+    out: list[tuple[int, int]] = []
+    for r in rows:
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
+
+
+# Prefill attends blocks of this many RUN rows of a sequence, each over the keys up to its last
+# position: a mask alone does not skip the masked half, as causal attention does (the same measurement
+# as vskipper/triton_kernels/routed_prefill_attention.py's BLOCK_ROWS).
+PREFILL_BLOCK_ROWS = 128
+
+
+def _query_rows(mask, B: int, S: int, Skv: int) -> int:
+    """How many of the B*S new rows are tokens, read from the layer's mask [B or 1, 1, S, Skv] (bool,
+    or additive with 0 where attended): a token attends itself, a padding row does not."""
+    if mask is None:
+        return B * S
+    s = torch.arange(S, device=mask.device)
+    diag = mask[:, 0, s, Skv - S + s]  # [B or 1, S]
+    diag = diag if diag.dtype == torch.bool else diag == 0
+    return int(diag.sum()) * (B // diag.shape[0])
+
+
+class HFAttention(AttentionPart):
+    """A transformers attention module seen by a routed layer: K/V for all rows, queries for some.
+    No fixed-shape masked form (`masks_rows` False): transformers runs eagerly, with no graph to
+    keep static."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def attend_all(self, x, ctx):
+        return self.attn(hidden_states=x, **ctx)[0]  # exactly the stock module: [B, S, H]
+
+    def is_decode(self, x, ctx) -> bool:
+        return x.shape[1] == 1
+
+    def _proj(self, proj, norm, x, B, S):
+        t = proj(x).view(B, S, -1, self.attn.head_dim)
+        return (norm(t) if norm is not None else t).transpose(1, 2)  # [B, heads, S, d]
+
+    def attend_rows(self, x, rows, ctx):
+        """K/V of every row into the cache; attention output [n, H] for flat rows `rows` of [B*S]."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attn = self.attn
+        B, S, _ = x.shape
+        cos, sin = ctx["position_embeddings"]  # [B or 1, S, d]
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+        k = _rope(self._proj(attn.k_proj, getattr(attn, "k_norm", None), x, B, S), cos, sin)
+        v = self._proj(attn.v_proj, None, x, B, S)
+        cache = ctx.get("past_key_values")
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx)  # [B, kvh, Skv, d]
+        n = rows.numel()
+        if n == 0:
+            return x.new_zeros(0, x.shape[-1])
+        mask = ctx.get("attention_mask")
+        impl = attn.config._attn_implementation
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
+        if fn is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+
+        def attend(q, k, v, mask):
+            return fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
+                      sliding_window=getattr(attn, "sliding_window", None))[0]  # [b, S, nh, d]
+
+        if S == 1:  # decode: the rows are whole sequences; attend only for them, over the cache in place:
+            # one call per run of consecutive rows, on views (copying the RUN rows' K/V out of the cache
+            # moved more memory than the attention reads: measured +25% on a routed layer's step, T=256)
+            q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), x.index_select(0, rows), n, S),
+                      cos.index_select(0, rows), sin.index_select(0, rows))  # [n, nh, 1, d]
+            per_row = mask is not None and mask.shape[0] == B
+            parts, at = [], 0
+            for a, b in _runs(rows.tolist()):
+                parts.append(attend(q[at:at + b - a], k[a:b], v[a:b], mask[a:b] if per_row else mask))
+                at += b - a
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return attn.o_proj(o.reshape(n, -1))  # [n, H]
+        if (impl in ("eager", "sdpa") and (mask is None or torch.is_tensor(mask))
+                and n < _query_rows(mask, B, S, k.shape[2])):  # prefill: queries for the RUN rows only
+            return self._prefill_rows(fn, x, rows, k, v, cos, sin, mask)
+        # prefill where every token runs (the stock call's shapes: skipping nothing is the model bit for
+        # bit), or with another attention (flash, flex): attend for all rows, keep some
+        q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), x, B, S), cos, sin)
+        o = attn.o_proj(attend(q, k, v, mask).reshape(B, S, -1).contiguous())  # [B, S, H]
+        return o.reshape(B * S, -1)[rows]
+
+    def _prefill_rows(self, fn, x, rows, k, v, cos, sin, mask):
+        """Prefill (S > 1): queries, attention and o_proj for the flat rows `rows` of [B*S] only. A
+        row at position s of sequence b attends b's keys as the layer's mask says (no mask: causal,
+        keys j <= Skv - S + s); per sequence, its rows gathered, one attention call per block of
+        PREFILL_BLOCK_ROWS rows over the keys up to the block's last position. -> [n, H]"""
+        attn = self.attn
+        B, S, H = x.shape
+        Skv, n = k.shape[2], rows.numel()
+        b_of, s_of = rows // S, rows % S  # [n]
+        cs, sn = cos.reshape(B * S, -1)[rows].unsqueeze(0), sin.reshape(B * S, -1)[rows].unsqueeze(0)  # [1, n, d]
+        q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), x.reshape(B * S, H)[rows][None], 1, n),
+                  cs, sn)  # [1, nh, n, d]
+        if mask is None:  # an additive mask, which eager and sdpa both take
+            allowed = torch.arange(Skv, device=x.device)[None, :] <= (Skv - S + s_of)[:, None]  # [n, Skv]
+            mask_rows = torch.zeros(n, 1, Skv, dtype=q.dtype, device=x.device).masked_fill_(
+                ~allowed[:, None], torch.finfo(q.dtype).min)
+        else:  # [B or 1, 1, S, Skv] -> [n, 1, Skv]
+            mask_rows = mask[b_of if mask.shape[0] == B else torch.zeros_like(b_of), :, s_of, :]
+        out = x.new_empty(n, q.shape[1] * q.shape[3])
+        last = (Skv - S + s_of).tolist()  # each row's key position, ascending within a sequence
+        for b in range(B):
+            idx = (b_of == b).nonzero().squeeze(1)
+            for j in range(0, idx.numel(), PREFILL_BLOCK_ROWS):  # blocks of rows, keys up to the block's last
+                blk = idx[j:j + PREFILL_BLOCK_ROWS]
+                L = last[int(blk[-1])] + 1
+                o, _ = fn(attn, q[:, :, blk].contiguous(), k[b:b + 1, :, :L], v[b:b + 1, :, :L],
+                          mask_rows[blk, :, :L].transpose(0, 1).unsqueeze(0).contiguous(), dropout=0.0,
+                          scaling=attn.scaling, sliding_window=getattr(attn, "sliding_window", None))
+                out[blk] = o.reshape(blk.numel(), -1)  # [1, nb, nh, d] -> [nb, nh * d]
+        return attn.o_proj(out)
+
+
+class HFMLP(MLPPart):
+    """A transformers SwiGLU MLP (gate_proj, up_proj, down_proj)."""
+
+    def swiglu_weights(self):
+        return self.mlp.gate_proj.weight, self.mlp.up_proj.weight, self.mlp.down_proj.weight
