@@ -3,7 +3,7 @@
     PROMPT_SETS       the held-out prompt sets: "everyday" (60 hand-written prompts, never templated,
                       never trained on), "chat" (the held-out split of the templated chat set: ids
                       whose number % 5 == 0, vskipper/training/data.py split_prompts) and "prompts"
-                      (the held-out split of the word-problem set, 80 prompts: bench/quality.py's)
+                      (the held-out split of the word-problem set, 80 prompts: benchmarks/quality_hf.py's)
     heldout_prompts   their records, in order
     teacher_forced    top-1 agreement and KL(base || model) over the base's greedy answer tokens,
                       in-process with transformers, per prompt

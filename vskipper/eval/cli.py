@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--agreement-prompts", default="everyday",
                    help=f"held-out prompt sets, comma-separated, from {', '.join(PROMPT_SETS)} (default %(default)s: "
                         f"60 hand-written prompts; chat: the held-out split of the chat set, 433 prompts; prompts: "
-                        f"the held-out word problems, 80, as bench/quality.py)")
+                        f"the held-out word problems, 80, as benchmarks/quality_hf.py)")
     b.add_argument("--max-new-tokens", type=int, default=48, help="greedy answer length for the agreement metrics "
                                                                   "(default %(default)s; stops earlier at the end of "
                                                                   "sequence)")

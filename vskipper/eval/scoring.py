@@ -1,6 +1,6 @@
 """Scores and their standard errors, written once for `vskipper eval` and its task files.
 
-    last_integer      a reply's answer: its last integer (bench/quality.py scores the same way)
+    last_integer      a reply's answer: its last integer (benchmarks/quality_hf.py scores the same way)
     prefix_length     tokens of a greedy answer that agree with the base's before the first divergence
     mean_stderr       mean and standard error of the mean (sample standard deviation / sqrt(n))
     median_stderr     median and its bootstrap standard error (seeded)

@@ -3,5 +3,5 @@ from vskipper.eval.scoring import last_integer
 
 
 def process_arithmetic(doc: dict, results: list[str]) -> dict:
-    """1.0 when the reply's last integer is the answer (bench/quality.py scores the same way)."""
+    """1.0 when the reply's last integer is the answer (benchmarks/quality_hf.py scores the same way)."""
     return {"acc": float(last_integer(results[0]) == int(doc["answer"]))}
