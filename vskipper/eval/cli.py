@@ -98,7 +98,8 @@ def _plan(args: argparse.Namespace) -> dict:
     from vskipper.eval.harness import TASKS
     from vskipper.eval.server import root_url
 
-    tasks = [] if args.tasks.strip().lower() in ("", "none") else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = [] if [t.lower() for t in tasks] in ([], ["none"]) else tasks
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise ValueError(f"--tasks: unknown task(s) {', '.join(bad)}; the tasks are {', '.join(TASKS)} (or 'none')")
@@ -161,7 +162,8 @@ def _tokenizer(path: str):
         raise ValueError(f"no tokenizer loads from {path} ({e}); give one with --tokenizer DIR") from None
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"the tokenizer in {path} has no chat template; vskipper eval asks every question as one "
-                         f"user turn of the model's chat template (give an instruct model's tokenizer with --tokenizer)")
+                         f"user turn of the model's chat template (give an instruct model's tokenizer with "
+                         f"--tokenizer)")
     return tok
 
 

@@ -41,8 +41,8 @@ def prepare_tasks(dest: Path, names=tuple(TASKS)) -> Path:
         data_path = (dest / f"{data}.jsonl").resolve()
         shutil.copyfile(DATA_DIR / f"{data}.jsonl", data_path)
         text = (TASK_DIR / f"{name}.yaml").read_text()
-        text, n = re.subn(rf"(\n\s+test:\s*){re.escape(data)}\.jsonl", lambda m: m.group(1) + json.dumps(str(data_path)),
-                          text)
+        text, n = re.subn(rf"(\n\s+test:\s*){re.escape(data)}\.jsonl",
+                          lambda m: m.group(1) + json.dumps(str(data_path)), text)
         if n != 1:
             raise RuntimeError(f"{TASK_DIR / (name + '.yaml')}: expected one 'test: {data}.jsonl' entry")
         (dest / f"{name}.yaml").write_text(text)

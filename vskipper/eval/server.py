@@ -17,7 +17,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
