@@ -1,11 +1,12 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (the suite).
-# Both build .venv from scratch when it is absent; nothing needs to be preinstalled.
+# The two commands of the README: `make demo` (the main job) and `make test` (the suite: lint, then
+# every test; what CI runs). `make test-fast` is the suite without the tests that start SGLang or take
+# long. All build .venv from scratch when it is absent; nothing needs to be preinstalled.
 PY ?= python3
 VENV := .venv
 PIP := $(VENV)/bin/python -m pip
 C := -c requirements/constraints.txt
 
-.PHONY: demo test venv clean-venv
+.PHONY: demo test test-fast lint venv clean-venv
 
 $(VENV)/.done: pyproject.toml requirements/*.txt
 	$(PY) -m venv $(VENV)
@@ -22,8 +23,14 @@ venv: $(VENV)/.done
 demo: venv
 	$(VENV)/bin/python -m benchmarks.demo
 
-test: venv
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(VENV)/bin/python -m pytest -q tests
+
+test-fast: lint
+	$(VENV)/bin/python -m pytest -q -m "not sglang and not slow" tests
 
 clean-venv:
 	rm -rf $(VENV)

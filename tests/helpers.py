@@ -2,6 +2,11 @@
 (Tiny models and skippers: tiny.py; a real SGLang engine: sglang_util.py.)"""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from vskipper.skippers.base import sanitize_gate
@@ -61,3 +66,20 @@ def fast_decisions(calls, layer, b=0, pad=0):
     outs = calls[layer]
     seq = [outs[0][b, pad:]] + [o[b, -1:] for o in outs[1:]]
     return sanitize_gate(torch.cat(seq), 0.5)[1]
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+NEEDS_SERVER = "# needs a server"  # the first line of a README block that talks to `vskipper serve` on port 30000
+
+
+def readme_blocks(server: bool) -> list[str]:
+    """The README's ```python blocks that need a server, or those that do not."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    return [b for b in blocks if b.startswith(NEEDS_SERVER) == server]
+
+
+def run_block(code: str, cwd, timeout: float = 600) -> str:
+    """Run a README block as pasted, in a fresh interpreter; its stdout, or AssertionError with its stderr."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert r.returncode == 0, f"README block failed:\n{code}\n{r.stderr[-3000:]}"
+    return r.stdout

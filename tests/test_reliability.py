@@ -63,7 +63,7 @@ def launch(model: Path, log: Path, port: int | None = None, *extra: str, timeout
     """`vskipper serve` for a tiny model (no tokenizer), waited on until /health answers 200."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "vskipper.cli", "serve", "--model-path", str(model), "--skip-tokenizer-init",
-           "--port", str(port), "--max-total-tokens", "4096", *extra]
+           "--no-calibrate", "--port", str(port), "--max-total-tokens", "4096", *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
     srv = Served(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True), port, log)
@@ -115,8 +115,8 @@ def probes(seed: int = 11) -> list[torch.Tensor]:
 
 def generate(url: str, prompts: list[torch.Tensor], n: int = NEW, **extra) -> list[dict]:
     """One batched /generate request; every answer must have exactly n tokens."""
-    r = requests.post(url + "/generate", json={"input_ids": [p.tolist() for p in prompts], "sampling_params": sampling(n),
-                                               **extra}, timeout=120)
+    body = {"input_ids": [p.tolist() for p in prompts], "sampling_params": sampling(n), **extra}
+    r = requests.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()
     assert [len(o["output_ids"]) for o in out] == [n] * len(prompts), out
@@ -197,7 +197,8 @@ def test_sigkill_mid_run_fails_only_in_flight_requests_and_a_restart_answers_as_
         g = torch.Generator().manual_seed(3)
         early = [torch.randint(1, VOCAB, (n,), generator=g) for n in (2, 7, 19, 4, 11, 3)]
         done = [Streamed() for _ in early]
-        threads = [threading.Thread(target=stream, args=(srv.url, p, 24, threading.Event(), d)) for p, d in zip(early, done)]
+        threads = [threading.Thread(target=stream, args=(srv.url, p, 24, threading.Event(), d))
+                   for p, d in zip(early, done)]
         for t in threads:
             t.start()
         for t in threads:
@@ -304,7 +305,8 @@ def served(tmp_path_factory):
 def test_prompt_longer_than_the_context_is_refused_and_the_server_keeps_answering(served):
     srv, expected = served
     msg = post_error(srv.url, {"input_ids": [7] * (CONTEXT + 44), "sampling_params": sampling(4)})
-    assert msg == f"The input ({CONTEXT + 44} tokens) is longer than the model's context length ({CONTEXT} tokens).", msg
+    assert msg == (f"The input ({CONTEXT + 44} tokens) is longer than the model's context length "
+                   f"({CONTEXT} tokens)."), msg
     msg = post_error(srv.url, {"input_ids": [7] * (CONTEXT - 6), "sampling_params": sampling(8)})
     assert f"exceeds the model's maximum context length of {CONTEXT} tokens" in msg, msg
     assert f"a total of {CONTEXT + 2} tokens" in msg, msg
@@ -424,7 +426,8 @@ def first_answer(tokens: int, finish: str):
 
 
 @pytest.mark.parametrize("edit, failing", [
-    (dict(outcomes=lambda outs: outs + [Outcome(outs[0].job, "failed", error="boom", span=(1, 2))]), "no request failed"),
+    (dict(outcomes=lambda outs: outs + [Outcome(outs[0].job, "failed", error="boom", span=(1, 2))]),
+     "no request failed"),
     (dict(outcomes=first_answer(15, "length")), "every completed request has its requested token count"),
     (dict(outcomes=first_answer(16, "abort")), "every completed request has its requested token count"),
     (dict(rss_samples=[(0, 1000), (2, 1101)]), "server RSS within 10% of the warm baseline"),

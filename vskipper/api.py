@@ -131,6 +131,19 @@ def explain(model: nn.Module) -> str:
     return _state(model, "explain").explain()
 
 
+def chosen_bodies(model: nn.Module, reset: bool = False) -> dict[str, int]:
+    """With execution="auto": how many layer-steps each body ran since the last reset, summed over the
+    routed layers ({} for another execution). Counted on the host where auto chooses."""
+    out: dict[str, int] = {}
+    for body in _state(model).bodies.values():
+        if isinstance(body, AutoBody):
+            for name, n in body.chosen.items():
+                out[name] = out.get(name, 0) + n
+                if reset:
+                    body.chosen[name] = 0
+    return out
+
+
 def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> dict:
     """Route counts per routed layer since the last reset:
     {layer: {"tokens": n, "run": n, "project": n, "nonfinite": n}} (padding rows not counted;

@@ -1,4 +1,4 @@
-"""`vskipper serve | inspect | calibrate | bench serve | train`."""
+"""`vskipper serve | inspect | calibrate | train | eval`."""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +21,8 @@ MULTI_RANK_FLAGS = ("--tp", "--tp-size", "--dp", "--dp-size", "--pp", "--pp-size
 
 def private_rendezvous(env: dict) -> None:
     """One rank: torch.distributed rendezvous through a private file instead of a TCPStore, which
-    listens on every interface whatever host SGLang gives it. The file is named after the process
-    that becomes the server (this one, after exec); files of dead servers are removed here."""
+    listens on every interface whatever host SGLang gives it. The file is named after this process,
+    which runs the server as its child and lives as long as it; files of dead servers are removed here."""
     if "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE" in env:
         return
     import tempfile
@@ -94,13 +94,22 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
         private_rendezvous(env)
     if not _has_flag(sglang_args, "--host"):
         cmd += ["--host", "127.0.0.1"]
-    if not torch.cuda.is_available():
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
         env["SGLANG_PLATFORM"] = "vskipper_cpu"
         for flag, value in CPU_DEFAULTS.items():
             if not _has_flag(sglang_args, flag):
                 cmd += [flag, value]
+    cmd += sglang_args
+    from vskipper.first_start import prepare
+
+    try:  # the server's threads, its cost calibration (measured now if there is none), what it will do
+        args._announce = prepare(cmd, env, settings, model_path, on_cpu, getattr(args, "threads", None),
+                                 getattr(args, "no_calibrate", False))
+    except ValueError as e:
+        _fail(str(e))
     args._env = env
-    return cmd + sglang_args
+    return cmd
 
 
 def inspect_command(args: argparse.Namespace) -> None:
@@ -133,6 +142,11 @@ def main(argv: list[str] | None = None) -> None:
                                         "its trained FlexiDepth skipper)")
     s.add_argument("--execution", choices=list(EXECUTIONS))
     s.add_argument("--stats-interval", type=int, help="log skip statistics every N decode steps")
+    s.add_argument("--threads", type=int, help="CPU threads of the server (default: OMP_NUM_THREADS, else torch's "
+                                                "default; the cost calibration is measured and kept per count)")
+    s.add_argument("--no-calibrate", action="store_true",
+                   help="do not measure a cost calibration before serving when there is none (the server then runs "
+                        "the dense-masked body)")
     s.add_argument("--threshold", help="the FlexiDepth router's threshold (default 0.5): a token runs a routed "
                                        "layer when its gate is above it, so a higher one skips less")
     i = sub.add_parser("inspect", help="check a skip-aware checkpoint directory")
@@ -145,9 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     add_eval_arguments(sub.add_parser("eval", help="quality of a served model: lm-eval tasks, agreement with the base"))
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
+        from vskipper.first_start import flag_value, run
+
         cmd = serve_command(args, rest)
         print("vskipper: " + " ".join(cmd), file=sys.stderr, flush=True)
-        os.execve(cmd[0], cmd, args._env)
+        raise SystemExit(run(cmd, args._env, flag_value(cmd, "--host", "127.0.0.1"),
+                             int(flag_value(cmd, "--port", 30000)), args._announce))
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "train":

@@ -192,8 +192,9 @@ def save(cal: Calibration, directory: Path | None = None) -> Path:
 
 
 def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str = "float32",
-         phase: str = "decode") -> Calibration | None:
-    """The `phase` calibration for this device, versions and dtype, nearest shape first; None if there is none."""
+         phase: str = "decode", exact: bool = False) -> Calibration | None:
+    """The `phase` calibration for this device, versions and dtype, nearest shape first (exact: this
+    shape only); None if there is none."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r} is not one of {list(PHASES)}")
     name, ver = device_name(device), versions()
@@ -217,6 +218,8 @@ def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str 
         return None
     best = min(found, key=lambda c: abs(math.log(c.hidden * c.intermediate / (hidden * intermediate))))
     if (best.hidden, best.intermediate) != (hidden, intermediate):
+        if exact:
+            return None
         what = "prefill cost calibration" if phase == "prefill" else "cost calibration"
         warnings.warn(f"vskipper: no {what} for hidden={hidden}, intermediate={intermediate} on "
                       f"{name!r}; using the nearest shape, {best.hidden}x{best.intermediate}. For this shape: "

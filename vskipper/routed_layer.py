@@ -227,6 +227,7 @@ class AutoBody(Body):
 
     def __init__(self, bodies: dict[str, Body], chooser: cost.Chooser) -> None:
         self.bodies, self.chooser = bodies, chooser
+        self.chosen = dict.fromkeys(bodies, 0)  # steps each body ran (host-side counts: vskipper.stats)
         routed = [b for b in bodies.values() if b.needs_maps]
         self.needs_maps = bool(routed)
         if routed:
@@ -235,7 +236,9 @@ class AutoBody(Body):
     def select(self, layer, h, x, run, valid, maps, ctx) -> Body:
         # the RUN count: the maps' (on the device: fixed shapes) or read here (dynamic bodies, no maps)
         counts = maps[2] if maps is not None else int((run & valid).sum())
-        return self.bodies[self.chooser.choose(h.numel() // h.shape[-1], counts, layer.attention.is_decode(x, ctx))]
+        name = self.chooser.choose(h.numel() // h.shape[-1], counts, layer.attention.is_decode(x, ctx))
+        self.chosen[name] += 1
+        return self.bodies[name]
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
         return self.select(layer, h, x, run, valid, maps, ctx)(layer, h, x, g, run, valid, maps, ctx)

@@ -204,8 +204,8 @@ def launch_server(name: str, *, model_path: str | None, skipper: str | None, exe
     ns = _ServeArgs(skipper=skipper, model_path=model_path, execution=execution)
     cmd = serve_command(ns, ["--port", str(port), *extra])
     env = ns._env
-    # serve_command names the rendezvous file after this process (which `vskipper serve` replaces by
-    # exec); two servers started from here need one each.
+    # serve_command names the rendezvous file after this process; two servers started from here need
+    # one each.
     store = Path(tempfile.gettempdir()) / "vskipper-dist" / f"eval-{os.getpid()}-{name}-{port}"
     store.parent.mkdir(exist_ok=True)
     store.unlink(missing_ok=True)

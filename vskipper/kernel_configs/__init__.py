@@ -8,7 +8,7 @@ the GPU name and the torch, triton and vskipper versions it was measured with:
      "configs": {"grouped_swiglu_": {"16": {"gate_up": {...}, "down": {...}}, ...}, ...}}
 
 Keys under an op are token-count buckets (the next power of two). Tables are looked up in the
-cache (`<vskipper cache>/kernel_configs`, written by `bench/kernel_timings.py --tune`), then in
+cache (`<vskipper cache>/kernel_configs`, written by `benchmarks/gpu/kernel_timings.py --tune`), then in
 this package. A table whose stamp does not match this GPU and these versions is ignored with a
 warning, never trusted. Without a table, or where the model's plan says untuned
 (Config(tuned_kernels=False), VSKIPPER_AUTOTUNE=0 in SGLang), every op uses the untuned defaults
@@ -84,7 +84,7 @@ def pick(op_table: dict[str, dict], b: int, default: dict) -> dict:
 
 
 def save(configs: dict[str, dict[str, dict]], gpu: str, directory: Path | str) -> Path:
-    """Write a stamped table for `gpu` (used by bench/kernel_timings.py --tune)."""
+    """Write a stamped table for `gpu` (used by benchmarks/gpu/kernel_timings.py --tune)."""
     path = Path(directory) / f"{cache.slug(gpu)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": cache.stamp(gpu), "configs": configs}, indent=1, sort_keys=True) + "\n")

@@ -11,6 +11,7 @@ import weakref
 import torch
 
 import vskipper
+from vskipper.api import chosen_bodies
 from vskipper.control import COUNTS
 from vskipper.integrations.sglang.settings import Settings
 from vskipper.skippers import parse_skipper
@@ -151,7 +152,10 @@ class StatsReporter:
         self.steps += 1
         if self.steps % self.interval == 0:
             st, by = vskipper.stats(self.model), vskipper.stats(self.model, by_setting=True)
-            logger.info("vskipper: after %d decode steps: %s; %s", self.steps, format_stats(st), format_settings(by))
+            bodies = chosen_bodies(self.model)
+            chosen = (f"; auto ran {', '.join(f'{b} {n}' for b, n in bodies.items())} layer-steps" if bodies else "")
+            logger.info("vskipper: after %d decode steps: %s; %s%s", self.steps, format_stats(st), format_settings(by),
+                        chosen)
             if self.export is not None:
                 self.export.update(st, by)
 
