@@ -33,6 +33,7 @@ from benchmarks import results as R
 from benchmarks.results import log
 
 RATE0, HALF = "random:rate=0,layers=15-29,seed=0", "random:rate=0.5,layers=15-29,seed=0"
+TRAINED = "flexidepth:name=smollm2-135m-flexidepth"  # the skipper shipped for the bundled model
 SYSTEMS = {  # name -> (skipper spec or None for upstream, execution, extend attention for the RUN rows only)
     "upstream": (None, None, True),
     "rate0-dense": (RATE0, "dense", True),
@@ -43,6 +44,8 @@ SYSTEMS = {  # name -> (skipper spec or None for upstream, execution, extend att
     "skip0.5-routed-mlp": (HALF, "routed-mlp", True),
     "skip0.5-auto": (HALF, "auto", True),
     "skip0.5-mlp-only": (HALF, "routed", False),  # extend attention for every row (as before routed prefill)
+    "trained-routed": (TRAINED, "routed", True),
+    "trained-auto": (TRAINED, "auto", True),
 }
 PHASES = {  # phase -> default systems, batch sizes, prompt tokens, paired rounds
     "decode": (["upstream", "rate0-dense", "rate0-routed", "rate0-auto", "rate0-routed-mlp", "skip0.5-routed",
@@ -116,12 +119,12 @@ def ratio_tables(times: dict[int, dict[str, list[float]]], systems: list[str]) -
         rows.append([B, f"{statistics.median(up) * 1e3:.1f}"]
                     + [paired_delta(t[n], up).ratio_text() for n in systems[1:]])
         for n in systems:
-            zero = n.replace("skip0.5-", "rate0-")
-            if n.startswith("skip") and zero in t:
+            zero = "rate0-" + n.split("-", 1)[1] if n.startswith(("skip", "trained")) else None
+            if zero in t:
                 saved.append([B, f"{n} / {zero}", paired_delta(t[n], t[zero]).ratio_text()])
     text = R.table(["batch", "upstream ms"] + [f"{n} / upstream (95% CI)" for n in systems[1:]], rows)
     if saved:
-        text += ("\n\nWhat skipping saves (RandomSkip 0.5 against rate 0, same execution, paired in the same "
+        text += ("\n\nWhat skipping saves (each skipper against rate 0, same execution, paired in the same "
                  "rounds):\n\n" + R.table(["batch", "skipping / nothing skipped", "ratio (95% CI)"], saved))
     return text
 
