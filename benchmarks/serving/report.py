@@ -8,12 +8,12 @@ baseline every delta is taken against.
 """
 from __future__ import annotations
 
-import re
 import statistics
 from pathlib import Path
 
 from benchmarks.results import table
 from benchmarks.stats import Delta, lifetime_half_width, paired_delta, rerun
+from vskipper.eval.scoring import last_integer  # noqa: F401  (a reply's answer, re-exported)
 
 __all__ = ["deltas", "last_integer", "plot", "prefix_share", "quality_table", "tables", "verdict"]
 
@@ -21,17 +21,6 @@ __all__ = ["deltas", "last_integer", "plot", "prefix_share", "quality_table", "t
 # positive is better for tok/s, negative is better for the latencies.
 METRICS = {"tok_s": ("output tok/s", "tok/s", 1.0, "{:.1f}"), "tpot_ms": ("mean TPOT ms", "TPOT", 1.0, "{:.0f}"),
            "e2e_ms": ("mean e2e s", "e2e", 1e-3, "{:.2f}"), "ttft_ms": ("mean TTFT s", "TTFT", 1e-3, "{:.2f}")}
-
-
-def last_integer(text: str) -> int | None:
-    """The answer a reply gives: its last integer (benchmarks/quality_hf.py scores with it too)."""
-    found = re.findall(r"-?\d[\d,]*", text)
-    if not found:
-        return None
-    try:
-        return int(found[-1].replace(",", ""))
-    except ValueError:
-        return None
 
 
 def prefix_share(gen: list[list[int]], ref: list[list[int]]) -> float:

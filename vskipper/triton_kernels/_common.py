@@ -117,3 +117,22 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % in_group) % size_m
     pid_n = (pid % in_group) // size_m
     return pid_m, pid_n
+
+
+def check_paged_kv(op: str, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                   req_to_token: torch.Tensor, q_legend: str) -> None:
+    """What the paged attention ops share: q [rows, nh, d] and SGLang's KV pool, k_buffer and v_buffer
+    [P, kvh, d] of q's float dtype with nh a multiple of kvh, and req_to_token [R, C] int32."""
+    check_dim(op, "q", q, 3, q_legend)
+    check_dim(op, "k_buffer", k_buffer, 3, "[P, kvh, d]")
+    check_dim(op, "v_buffer", v_buffer, 3, "[P, kvh, d]")
+    check_dim(op, "req_to_token", req_to_token, 2, "[R, C]")
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_dtype(op, name, t, FLOATS)
+        expect(t.dtype == q.dtype, op, f"{name} has dtype {t.dtype} but q has {q.dtype}")
+    check_dtype(op, "req_to_token", req_to_token, (torch.int32,))
+    expect(k_buffer.shape == v_buffer.shape, op,
+           f"k_buffer {list(k_buffer.shape)} and v_buffer {list(v_buffer.shape)} must have one shape")
+    nh, kvh = q.shape[1], k_buffer.shape[1]
+    expect(kvh > 0 and nh % kvh == 0, op, f"query heads nh = {nh} must be a multiple of KV heads kvh = {kvh}")
+    expect(k_buffer.shape[2] == q.shape[2], op, f"k_buffer has head dim {k_buffer.shape[2]} but q has {q.shape[2]}")

@@ -16,13 +16,13 @@ import torch
 
 from vskipper import kernel_configs
 from vskipper.triton_kernels._common import (
-    FLOATS,
     INDEXES,
     check_devices,
     check_dim,
     check_dtype,
     check_inner_contiguous,
     check_launchable,
+    check_paged_kv,
     dot_flags,
     expect,
     stages_for,
@@ -89,25 +89,13 @@ def _masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, seq_p
 
 def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask) -> None:
     op = "masked_decode_attention"
-    check_dim(op, "q", q, 3, "[B, nh, d]")
-    check_dim(op, "k_buffer", k_buffer, 3, "[P, kvh, d]")
-    check_dim(op, "v_buffer", v_buffer, 3, "[P, kvh, d]")
-    check_dim(op, "req_to_token", req_to_token, 2, "[R, C]")
+    check_paged_kv(op, q, k_buffer, v_buffer, req_to_token, "[B, nh, d]")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("run_mask", run_mask)):
         check_dim(op, name, t, 1, "[B]")
         expect(t.shape[0] == q.shape[0], op, f"{name} has {t.shape[0]} entries but q has B = {q.shape[0]} rows")
-    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_dtype(op, name, t, FLOATS)
-        expect(t.dtype == q.dtype, op, f"{name} has dtype {t.dtype} but q has {q.dtype}")
-    check_dtype(op, "req_to_token", req_to_token, (torch.int32,))
     check_dtype(op, "req_pool_indices", req_pool_indices, INDEXES)
     check_dtype(op, "seq_lens", seq_lens, INDEXES)
     check_dtype(op, "run_mask", run_mask, (torch.bool,))
-    expect(k_buffer.shape == v_buffer.shape, op,
-           f"k_buffer {list(k_buffer.shape)} and v_buffer {list(v_buffer.shape)} must have one shape")
-    nh, kvh = q.shape[1], k_buffer.shape[1]
-    expect(kvh > 0 and nh % kvh == 0, op, f"query heads nh = {nh} must be a multiple of KV heads kvh = {kvh}")
-    expect(k_buffer.shape[2] == q.shape[2], op, f"k_buffer has head dim {k_buffer.shape[2]} but q has {q.shape[2]}")
     check_devices(op, q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
                   req_pool_indices=req_pool_indices, seq_lens=seq_lens, run_mask=run_mask)
 

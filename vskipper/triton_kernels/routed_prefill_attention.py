@@ -28,13 +28,13 @@ import torch.nn.functional as F
 
 from vskipper import kernel_configs
 from vskipper.triton_kernels._common import (
-    FLOATS,
     INDEXES,
     check_devices,
     check_dim,
     check_dtype,
     check_inner_contiguous,
     check_launchable,
+    check_paged_kv,
     dot_flags,
     expect,
     stages_for,
@@ -116,10 +116,7 @@ def _routed_prefill_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, pre_
 
 
 def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask) -> None:
-    check_dim(OP, "q", q, 3, "[T, nh, d]")
-    check_dim(OP, "k_buffer", k_buffer, 3, "[P, kvh, d]")
-    check_dim(OP, "v_buffer", v_buffer, 3, "[P, kvh, d]")
-    check_dim(OP, "req_to_token", req_to_token, 2, "[R, C]")
+    check_paged_kv(OP, q, k_buffer, v_buffer, req_to_token, "[T, nh, d]")
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("extend_lens", extend_lens)):
         check_dim(OP, name, t, 1, "[B]")
         check_dtype(OP, name, t, INDEXES)
@@ -129,15 +126,6 @@ def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, ex
     expect(run_mask.shape[0] == q.shape[0], OP,
            f"run_mask has {run_mask.shape[0]} entries but q has T = {q.shape[0]} rows")
     check_dtype(OP, "run_mask", run_mask, (torch.bool,))
-    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_dtype(OP, name, t, FLOATS)
-        expect(t.dtype == q.dtype, OP, f"{name} has dtype {t.dtype} but q has {q.dtype}")
-    check_dtype(OP, "req_to_token", req_to_token, (torch.int32,))
-    expect(k_buffer.shape == v_buffer.shape, OP,
-           f"k_buffer {list(k_buffer.shape)} and v_buffer {list(v_buffer.shape)} must have one shape")
-    nh, kvh = q.shape[1], k_buffer.shape[1]
-    expect(kvh > 0 and nh % kvh == 0, OP, f"query heads nh = {nh} must be a multiple of KV heads kvh = {kvh}")
-    expect(k_buffer.shape[2] == q.shape[2], OP, f"k_buffer has head dim {k_buffer.shape[2]} but q has {q.shape[2]}")
     check_devices(OP, q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
                   req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                   run_mask=run_mask)
