@@ -1,53 +1,187 @@
-"""The main job (`make demo`): the quick serving benchmark on the bundled SmolLM2-135M.
+"""The main job (`make demo`): how much faster the skipper shipped for the bundled SmolLM2-135M makes
+SGLang, and what it costs in quality, in about ten minutes on 2 CPUs.
 
-Converts the bundled model once, measures this CPU's cost model once (`vskipper calibrate` over
-the demo's batch sizes, cached), then runs the quick serving benchmark (benchmarks/serving/quick.py):
-upstream SGLang, SGLang + vskipper with nothing skipped, with RandomSkip(0.5) over the second half
-of the layers, and with the trained FlexiDepth skipper shipped for this model, in paired rounds on
-the same requests through SGLang's own benchmark client, plus the shipped arithmetic questions
-through every server. Prints the tables, one verdict line and the figure's path; writes
-out/serving-quick/results.json and the page docs/results/serving-quick.md.
-Options are those of `python -m benchmarks.serving.serving` (default here: --quick).
+1. setup: the bundled model (converted once), the cost calibration at the servers' thread count
+   (measured once, cached: vskipper.first_start.ensure_calibration);
+2. speed, from the engine's own step (benchmarks/step/engine_step.py, in a process of its own): one
+   SGLang ModelRunner, upstream's layers against vskipper's with nothing skipped (rate 0), the
+   shipped trained skipper and RandomSkip 0.5 (all `auto`), on the same batches and KV pool, in
+   paired rounds of random order: decode at batch 8 and 32, and one prefill; each ratio to
+   upstream with its rerun interval (benchmarks/stats.py);
+3. the serving check and quality (benchmarks/serving/quick.py, closed loop only): upstream beside
+   the trained skipper and beside RandomSkip, the two at once, waves of concurrency 32 through
+   SGLang's own client (does the step's gain reach the client?), with rerun intervals; while the
+   servers are up, quality through them (vskipper.eval): the multiple-choice facts task with
+   lm-eval and greedy agreement with upstream on hand-written everyday prompts, with standard
+   errors;
+4. one verdict per skipper: step ratio, serving ratio, quality beside the base's, and one sentence.
+
+Writes out/demo/results.json and the page docs/results/demo.md. A first run (model conversion and
+calibration) fits the same budget: what it spends there, the rounds give up.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-# What the demo's servers need, in what fits its 10 minutes: their decode batches stay <= 32 (the
-# table goes to 64) and 3 rounds per cell instead of 6 (the full grid takes about 220 s on 2 CPUs;
-# `vskipper calibrate` measures it, for the next runs too).
-DEMO_CALIBRATION = ("--max-batch", "64", "--repeats", "3")
+from benchmarks import results as R
+from benchmarks.results import log
+from benchmarks.stats import Delta
+
+SKIPPERS = {"trained": "trained FlexiDepth (shipped)", "skip0.5": "RandomSkip 0.5 (the speed bound)"}
+STEP_SYSTEMS = ["upstream", "rate0-auto", "trained-auto", "skip0.5-auto"]
+SERVING = {"trained": "vskipper-trained", "skip0.5": "vskipper"}  # demo name -> serving system name
+DECODE_BATCHES = (8, 32)
+HEADLINE = 32
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole job (default 570)")
+    ap.add_argument("--step-rounds", type=int, default=16, help="paired rounds of the decode step (default 16)")
+    ap.add_argument("--facts", type=int, default=24, help="multiple-choice facts asked through each server")
+    ap.add_argument("--prompts", type=int, default=10, help="everyday prompts for the greedy agreement")
+    ap.add_argument("--answer-tokens", type=int, default=24, help="greedy answer length for the agreement")
+    R.add_arguments(ap, "demo")
+    return ap.parse_args(argv)
+
+
+def step_deltas(step_s: dict) -> dict:
+    """{phase: {batch: {system: Delta with its rerun interval}}} from engine_step's step times."""
+    from benchmarks.stats import paired_delta, rerun
+
+    return {phase: {int(B): {n: rerun(paired_delta(t[n], t["upstream"])) for n in t if n != "upstream"}
+                    for B, t in by_batch.items()} for phase, by_batch in step_s.items()}
+
+
+def run_step(args, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.step.engine_step", "--phase", "both", "--threads", "1", "--systems",
+           *STEP_SYSTEMS, "--batch", *map(str, DECODE_BATCHES), "--rounds", str(args.step_rounds), "--prefill-len",
+           "256", "--prefill-rounds", "4", "--no-routing", "--out", str(out), "--docs", "none"]
+    log("phase 2/4: speed, the engine's own step: " + " ".join(cmd[2:]))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out / "results.json").read_text())["results"]["step_s"]
+
+
+def quality_through(urls: dict[str, str], out: Path, args) -> dict:
+    """Facts (lm-eval, multiple choice) and greedy agreement with upstream, through the servers of
+    upstream and the trained skipper (RandomSkip, the speed bound, is left out: its answers are garbage)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from vskipper.eval import harness, server
+    from vskipper.eval.agreement import heldout_prompts
+    from vskipper.eval.scoring import agreement
+    from vskipper.models.smollm2 import smollm2_dir
+    from vskipper.training.data import chat_ids
+
+    tok_dir = str(smollm2_dir())
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    prompts = [chat_ids(tok, r["prompt"]) for r in heldout_prompts(["everyday"], args.prompts)]
+    names = ["upstream", SERVING["trained"]]
+    task_dir = harness.prepare_tasks(out / "tasks", ["vskipper_facts_mc"])
+
+    def measure(n: str) -> tuple[dict, list[list[int]]]:
+        root = urls[n]
+        info = server.model_info(root)
+        facts = harness.run_tasks(f"{root}/v1/completions", info["name"], tok_dir, ["vskipper_facts_mc"], task_dir,
+                                  limit=args.facts, num_concurrent=8)["vskipper_facts_mc"]
+        return facts, server.greedy(root, prompts, args.answer_tokens)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:  # the two servers at once, one CPU each
+        got = dict(zip(names, pool.map(measure, names)))
+    q = {}
+    for n in names:
+        facts, answers = got[n]
+        q[n] = {"facts": facts["acc"], "facts_stderr": facts["acc_stderr"], "facts_n": facts["n"],
+                **{k: v for k, v in agreement(answers, got["upstream"][1]).items() if k != "prefix"}}
+    log(f"quality through the servers: {time.perf_counter() - t0:.0f} s")
+    return q
+
+
+def sentence(step, serving, q_sk, q_base) -> str:
+    """faster and as good / faster and worse by X / not resolved and why."""
+    faster = step.hi < 0
+    if not faster:
+        return ("not resolved: the decode step's rerun interval includes no change" if step.lo <= 0 <= step.hi
+                else "slower")
+    if q_sk is None:
+        return "faster; its answers are not the base model's (the speed bound, not a usable skipper)"
+    diff = q_sk["facts"] - q_base["facts"]
+    se = math.sqrt(q_sk["facts_stderr"] ** 2 + q_base["facts_stderr"] ** 2)
+    prefix = f"greedy answers agree with upstream for {q_sk['prefix_mean']:.1f} of {q_base['prefix_mean']:.1f} tokens"
+    if abs(diff) <= se:
+        return f"faster and as good on the facts task (within one standard error); {prefix}"
+    return f"faster and {'worse' if diff < 0 else 'better'} by {abs(diff):.0%} on the facts task; {prefix}"
 
 
 def main(argv=None) -> None:
     t0 = time.perf_counter()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:  # the options, without loading the model or measuring anything
-        from benchmarks.serving import serving
-
-        print(__doc__)
-        serving.main(["--help"])
-        return
+    args = parse(argv)
     import torch
 
-    from benchmarks.results import log
-    from benchmarks.serving import serving
-    from benchmarks.serving.servers import SERVER_THREADS
-    from vskipper import calibrate, cost
+    from benchmarks.serving import quick
+    from benchmarks.serving.servers import SERVER_THREADS, default_systems
+    from vskipper import first_start
     from vskipper.models.smollm2 import smollm2_dir
 
+    out = Path(args.out)
     path = str(smollm2_dir())
-    hidden, inter, heads, kv = calibrate.shape_of(path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":  # the cost model is keyed on the thread count: measure it as the servers will run
-        torch.set_num_threads(SERVER_THREADS)
-    if cost.load(device, hidden, inter) is None:
-        log(f"demo: measuring this device's cost model once (vskipper calibrate {' '.join(DEMO_CALIBRATION)}: "
-            f"the demo's batch sizes; cached for the next runs)")
-        calibrate.main(["--model", path, "--device", device, *DEMO_CALIBRATION])
-    serving.main((["--quick"] if not argv else []) + argv, started=t0)
-    print(f"demo: {time.perf_counter() - t0:.0f} s in all", file=sys.stderr, flush=True)
+    log(f"phase 1/4: setup: the bundled model, and this CPU's cost calibration at {SERVER_THREADS} thread(s)")
+    torch.set_num_threads(SERVER_THREADS)  # the cost model is keyed on the thread count: as the servers run
+    first_start.ensure_calibration(path, "cpu" if not torch.cuda.is_available() else "cuda", "float32",
+                                   SERVER_THREADS, first_start.CPU_MAX_BATCH, log)
+    setup_s = time.perf_counter() - t0
+    step_s = run_step(args, out / "step")
+    steps = step_deltas(step_s)
+    step_time = time.perf_counter() - t0 - setup_s
+    log(f"phase 3/4: the serving check and quality ({time.perf_counter() - t0:.0f} s spent)")
+    systems = [x for x in default_systems() if x.name in ("upstream", *SERVING.values())]
+    settings = quick.Settings(open_requests=0, lifetimes=1, budget_s=args.budget)
+    quick.run(systems, settings, out / "serving", started=t0, docs=None,
+              quality_fn=lambda urls: quality_through(urls, out, args), name="demo-serving")
+    serving = json.loads((out / "serving" / "results.json").read_text())["results"]
+    quality = serving["quality"]
+    serve_d = {n: Delta(**{**v["tok_s"], "ratios": tuple(v["tok_s"]["ratios"])})
+               for n, v in serving["deltas"]["concurrency 32"].items()}
+    wall = time.perf_counter() - t0
+    rows, verdicts = [], []
+    for key, label in SKIPPERS.items():
+        st = steps["decode"][HEADLINE][f"{key}-auto"]
+        sv = serve_d[SERVING[key]]
+        q = quality.get(SERVING[key]) if key == "trained" else None
+        said = sentence(st, sv, q, quality["upstream"])
+        verdicts.append(f"{label}: {said}")
+        qtext = (f"facts {q['facts']:.0%} +- {q['facts_stderr']:.0%} (upstream {quality['upstream']['facts']:.0%} +- "
+                 f"{quality['upstream']['facts_stderr']:.0%}); agreeing prefix {q['prefix_mean']:.1f} +- "
+                 f"{q['prefix_mean_stderr']:.1f} tokens, {q['identical']:.0%} identical" if q else "not measured")
+        rows.append([label] + [steps["decode"][B][f"{key}-auto"].ratio_text() for B in DECODE_BATCHES]
+                    + [steps["prefill"][1][f"{key}-auto"].ratio_text(), sv.ratio_text(), qtext, said])
+    rate0 = [steps["decode"][B]["rate0-auto"].ratio_text() for B in DECODE_BATCHES]
+    header = ["skipper"] + [f"decode step, batch {B} / upstream" for B in DECODE_BATCHES] + [
+        "prefill step (256 tokens) / upstream", "serving tok/s, concurrency 32 / upstream", "quality", "verdict"]
+    text = (f"The main job: SmolLM2-135M-Instruct in SGLang 0.5.23, {SERVER_THREADS} CPU thread per engine; "
+            f"ratios to upstream SGLang: median of per-round ratios [95% rerun interval: where another run's "
+            f"median would fall]. Engine step: {args.step_rounds} paired rounds in one process (rate 0, vskipper "
+            f"with nothing skipped, at batch {', '.join(map(str, DECODE_BATCHES))}: {', '.join(rate0)}). Serving: "
+            f"{len(serving['orders'])} rounds of concurrency-32 waves, upstream beside each skipper. Quality "
+            f"through the servers: {args.facts} multiple-choice facts (lm-eval), greedy agreement on "
+            f"{args.prompts} everyday prompts ({args.answer_tokens} tokens). {wall:.0f} s in all (setup "
+            f"{setup_s:.0f} s, engine step {step_time:.0f} s).\n\n" + R.table(header, rows)
+            + "\n\nverdict: " + "; ".join(verdicts) + "\n")
+    print(text)
+    R.write_results("demo", {"step_s": step_s, "serving": serving, "quality": quality, "verdicts": verdicts,
+                             "setup_s": setup_s, "step_phase_s": step_time, "wall_s": wall}, text, out,
+                    R.docs_dir(args))
+    log(f"demo: {wall:.0f} s in all")
 
 
 if __name__ == "__main__":

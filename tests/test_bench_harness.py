@@ -365,3 +365,23 @@ def test_unused_model_modules_keeps_every_module_naming_the_architecture(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
     assert unused_model_modules(str(tmp_path)) == []
     assert unused_model_modules(str(tmp_path / "missing")) == []
+
+
+# --- the main job (benchmarks/demo.py): its verdict from step times and quality -----------------
+def test_demo_verdict_from_step_rounds_and_quality():
+    from benchmarks import demo
+
+    up = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
+    noise = (0.1, -0.1, 0.12, -0.12, 0.0, 0.05)
+    step_s = {"decode": {"32": {"upstream": up, "trained-auto": [0.9 * t for t in up],
+                                "skip0.5-auto": [t * (1 + e) for t, e in zip(up, noise)]}}}
+    d = demo.step_deltas(step_s)["decode"][32]
+    assert abs(d["trained-auto"].median + 0.1) < 1e-9 and d["trained-auto"].hi < 0  # resolved: 0.90x
+    assert d["skip0.5-auto"].lo < 0 < d["skip0.5-auto"].hi  # noisy rounds: not resolved
+    base = {"facts": 0.50, "facts_stderr": 0.05, "prefix_mean": 32.0}
+    same = {"facts": 0.47, "facts_stderr": 0.05, "prefix_mean": 20.5}
+    worse = {"facts": 0.30, "facts_stderr": 0.05, "prefix_mean": 3.0}
+    assert demo.sentence(d["trained-auto"], None, same, base).startswith("faster and as good on the facts task")
+    assert demo.sentence(d["trained-auto"], None, worse, base).startswith("faster and worse by 20% on the facts task")
+    assert demo.sentence(d["skip0.5-auto"], None, same, base).startswith("not resolved")
+    assert "speed bound" in demo.sentence(d["trained-auto"], None, None, base)

@@ -54,7 +54,7 @@ class Settings:
     # second one left too few rounds in the budget for an interval worth the name.
     concurrencies: tuple[int, ...] = (32,)
     open_load: float = 0.75  # x upstream's capacity
-    open_requests: int = 8
+    open_requests: int = 8  # 0: no open loop (the demo's serving check is the closed loop alone)
     output_len: int = 16  # pinned (ignore_eos)
     questions: int = 32
     answer_tokens: int = 64
@@ -70,9 +70,11 @@ class Settings:
     lifetimes: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("open_requests", "questions", "answer_tokens", "max_total_tokens", "server_threads", "lifetimes"):
+        for name in ("questions", "answer_tokens", "max_total_tokens", "server_threads", "lifetimes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Settings.{name}={getattr(self, name)} must be >= 1")
+        if self.open_requests < 0:
+            raise ValueError(f"Settings.open_requests={self.open_requests} must be >= 0")
         if self.min_rounds < 3:
             raise ValueError(f"Settings.min_rounds={self.min_rounds} must be >= 3 "
                              f"(a median and its interval need a few rounds)")
@@ -113,9 +115,12 @@ def question_subset(n: int) -> list[dict]:
     return [qs[i * len(qs) // n] for i in range(n)]
 
 
-def run(systems: list[System], s: Settings, out: Path, started: float | None = None, docs: Path | None = None) -> str:
+def run(systems: list[System], s: Settings, out: Path, started: float | None = None, docs: Path | None = None,
+        quality_fn=None, name: str = "serving-quick") -> str:
     """started: time.perf_counter() when the job began (the demo's calibration counts against
-    s.budget_s); default now. docs: where the page serving-quick.md is rendered (None: no page)."""
+    s.budget_s); default now. docs: where the page serving-quick.md is rendered (None: no page).
+    quality_fn({system: url}) -> {system: {...}}: measures quality through the servers once they are
+    up, instead of the arithmetic pass (its result lands in results.json as "quality")."""
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
@@ -132,7 +137,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     client = Client(systems[0].model_path, out)
     closed = [f"concurrency {c}" for c in s.concurrencies]
     open_label = f"open loop {s.open_load}x capacity"
-    metrics_of = {**{c: CLOSED_METRICS for c in closed}, open_label: OPEN_METRICS}
+    metrics_of = {**{c: CLOSED_METRICS for c in closed}, **({open_label: OPEN_METRICS} if s.open_requests else {})}
     # rounds[load][system]: one measurement per round (the baseline: one per pair it ran in);
     # beside[load][system]: the baseline's measurement in that system's pair, round by round
     rounds = {load: {n: [] for n in names} for load in metrics_of}
@@ -142,6 +147,7 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
     questions = question_subset(s.questions)
     qrows = client.question_rows([q["prompt"] for q in questions], s.answer_tokens)
     texts, up_s, warm_s = {}, [], []  # seconds each start of the servers took, and each warm-up
+    measured_quality = {}
     two, coin = ThreadPoolExecutor(2), random.Random(s.seed)
 
     def send(n: str, rows, **kw):
@@ -196,6 +202,10 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
             transforms[n] = transform_line(srv)
             if transforms[n]:
                 log(f"{n}: {transforms[n]}")
+        if quality_fn is not None:
+            log("phase 2/4: quality (and warm-up), through the servers")
+            measured_quality.update(quality_fn({n: srv.url for n, srv in servers.items()}))
+            return
         log(f"phase 2/4: quality (and warm-up): {s.questions} arithmetic questions, greedy, <= {s.answer_tokens} "
             f"new tokens, through every server, two servers at a time")
         with bar(len(systems), "quality") as b:
@@ -259,13 +269,14 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
 
                 for c, load in zip(s.concurrencies, closed):
                     measure_pairs(load, rows[c], concurrency=c)
-                if rate is None:
-                    top = statistics.median(x["tok_s"] for x in rounds[closed[-1]][base])
-                    rate = s.open_load * top / s.output_len
-                    log(f"{base} capacity at {closed[-1]}: {top:.1f} tok/s = {top / s.output_len:.2f} req/s; "
-                        f"open loop at {rate:.2f} req/s")
-                open_rows = client.prompt_rows(s.open_requests, s.output_len, seed=s.seed + 1000 * r + 7)
-                measure_pairs(open_label, open_rows, concurrency=None, rate=rate, seed=s.seed + r)
+                if s.open_requests:
+                    if rate is None:
+                        top = statistics.median(x["tok_s"] for x in rounds[closed[-1]][base])
+                        rate = s.open_load * top / s.output_len
+                        log(f"{base} capacity at {closed[-1]}: {top:.1f} tok/s = {top / s.output_len:.2f} req/s; "
+                            f"open loop at {rate:.2f} req/s")
+                    open_rows = client.prompt_rows(s.open_requests, s.output_len, seed=s.seed + 1000 * r + 7)
+                    measure_pairs(open_label, open_rows, concurrency=None, rate=rate, seed=s.seed + r)
                 lives.append(life)
                 in_life += 1
                 round_times.append(time.perf_counter() - t_round)
@@ -285,6 +296,27 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
             stop(srv)
 
     log("phase 4/4: report")
+    d = report.deltas(rounds, names, metrics_of, lives, beside)
+    labels = {x.name: x.label for x in systems}
+    wall = time.perf_counter() - t_start
+    loop = (f", open loop {s.open_requests} requests at {rate:.2f} req/s ({s.open_load}x upstream's capacity)"
+            if s.open_requests else "")
+    header = (f"Quick paired run: {len(orders)} rounds, closed loop at concurrency "
+              f"{', '.join(map(str, s.concurrencies))} (one wave each){loop}, {s.output_len} output tokens per "
+              f"request, SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {names[0]} beside "
+              f"each other system in turn, the two at once, {max(lives) + 1} server lifetime(s), rounds per lifetime "
+              f"{[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} "
+              f"[95% rerun interval: where another run's median would fall]; "
+              f"{wall:.0f} s (servers included)")
+    text = f"{header}\n\n{report.tables(rounds, d, names, metrics_of, failed)}\n"
+    saved = {"settings": asdict(s), "systems": [asdict(x) for x in systems], "transforms": transforms,
+             "open_rate": rate, "rounds": rounds, "beside": beside, "orders": orders, "lifetimes": lives,
+             "failed": failed, "start_s": up_s, "warm_up_s": warm_s, "round_s": round_times, "wall_s": wall,
+             "deltas": {load: {n: {m: asdict(v) for m, v in dm.items()} for n, dm in dl.items()}
+                        for load, dl in d.items()}}
+    if quality_fn is not None:  # the caller reports quality and the verdict (benchmarks/demo.py)
+        write_results(name, {**saved, "quality": measured_quality}, text, out, docs)
+        return text
     quality = {}
     encode = lambda t: client.tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     base_ids = [encode(t) for t in texts[names[0]]]
@@ -295,37 +327,19 @@ def run(systems: list[System], s: Settings, out: Path, started: float | None = N
         quality[n] = {"correct": correct, "same": same, "questions": len(questions),
                       "accuracy": correct / len(questions), "agreement": same / len(questions),
                       "prefix": report.prefix_share([encode(t) for t in texts[n]], base_ids)}
-    d = report.deltas(rounds, names, metrics_of, lives, beside)
-    labels = {x.name: x.label for x in systems}
     # The verdict carries the closed-loop headline only: a few Poisson arrivals per round are too few
     # to trust (benchmarks/README.md, "Measurements behind the settings"); the open loop stays in the tables.
     line = report.verdict(d, quality, names, labels, (closed[-1], "tok_s"), None)
-    wall = time.perf_counter() - t_start
-    header = (f"Quick paired run: {len(orders)} rounds, closed loop at concurrency "
-              f"{', '.join(map(str, s.concurrencies))} "
-              f"(one wave each), open loop {s.open_requests} requests at {rate:.2f} req/s "
-              f"({s.open_load}x upstream's capacity), {s.output_len} output tokens per request, "
-              f"SGLang's benchmark client, {s.server_threads} CPU thread(s) per server, {names[0]} beside each other "
-              f"system in turn, the two at once, {max(lives) + 1} server lifetime(s), rounds per lifetime "
-              f"{[lives.count(x) for x in range(max(lives) + 1)]}; deltas: median of per-round ratios vs {names[0]} "
-              f"[95% rerun interval: where another run's median would fall]; "
-              f"{wall:.0f} s (servers included)")
     curve = {n: sorted([(_median(rounds[c][n], "tok_s") / s.output_len, _median(rounds[c][n], "e2e_ms") / 1e3)
-                        for c in closed] + [(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]) for n in names}
+                        for c in closed] + ([(rate, _median(rounds[open_label][n], "e2e_ms") / 1e3)]
+                                            if s.open_requests else [])) for n in names}
     fig = out / "serving-quick.png"
     report.plot(rounds, d, names, curve, fig, f"SGLang vs SGLang + vskipper, {time.strftime('%Y-%m-%d')}, "
                 f"{platform.machine()} {os.cpu_count()} CPUs: {len(orders)} paired rounds, "
-                f"{s.output_len} output tokens, "
-                f"open loop at {rate:.2f} req/s")
-    text = (f"{header}\n\n{report.tables(rounds, d, names, metrics_of, failed)}\n\n"
-            f"{report.quality_table(quality, names)}\n\n{line}\n")
-    write_results("serving-quick", {
-        "settings": asdict(s), "systems": [asdict(x) for x in systems], "transforms": transforms,
-        "open_rate": rate, "rounds": rounds, "beside": beside,
-        "orders": orders, "lifetimes": lives, "failed": failed, "quality": quality, "verdict": line,
-        "deltas": {load: {n: {m: asdict(v) for m, v in dm.items()} for n, dm in dl.items()} for load, dl in d.items()},
-        "answers": {n: list(t) for n, t in texts.items()}, "start_s": up_s, "warm_up_s": warm_s,
-        "round_s": round_times, "wall_s": wall}, text, out, docs)
+                f"{s.output_len} output tokens")
+    text += f"\n{report.quality_table(quality, names)}\n\n{line}\n"
+    write_results(name, {**saved, "quality": quality, "verdict": line,
+                         "answers": {n: list(t) for n, t in texts.items()}}, text, out, docs)
     return text + f"plot: {fig}\n"
 
 

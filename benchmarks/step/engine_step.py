@@ -63,6 +63,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: decode 1 8 32, prefill 1)")
     ap.add_argument("--input-len", type=int, help="prompt tokens (default: decode 128, prefill 1024)")
     ap.add_argument("--rounds", type=int, help="paired rounds per batch size (default: decode 30, prefill 5)")
+    ap.add_argument("--prefill-len", type=int, help="with --phase both: the prefill's prompt tokens (default 1024)")
+    ap.add_argument("--prefill-rounds", type=int, help="with --phase both: the prefill's rounds (default 5)")
+    ap.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode: time the routing work per routed layer too (default on)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="default: the phase's own (SYSTEMS)")
     R.add_arguments(ap, None)
@@ -77,8 +81,12 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def settings(args, phase: str) -> tuple[list[str], list[int], int, int]:
-    """(systems, batch sizes, prompt tokens, rounds) of a phase: the flags given, else its defaults."""
+    """(systems, batch sizes, prompt tokens, rounds) of a phase: the flags given, else its defaults.
+    With --phase both, --batch, --input-len and --rounds are decode's, --prefill-len and
+    --prefill-rounds prefill's (one prompt)."""
     systems, batch, input_len, rounds = PHASES[phase]
+    if phase == "prefill" and len(args.phases) == 2:
+        return args.systems or systems, batch, args.prefill_len or input_len, args.prefill_rounds or rounds
     return args.systems or systems, args.batch or batch, args.input_len or input_len, args.rounds or rounds
 
 
@@ -146,7 +154,7 @@ def run_phase(args, runner, sets, phase: str) -> tuple[str, dict]:
             f"({len(model.model.layers)} layers), prompts of {input_len} tokens, {rounds} paired rounds in random "
             f"order, {args.threads} thread(s); systems: {describe(systems)}")
     text = f"{head}\n\n{ratio_tables(times, systems)}"
-    if phase == "decode":
+    if phase == "decode" and args.routing:
         text += "\n\n" + routing_table(model, sets, batches)
     return text, times
 

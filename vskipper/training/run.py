@@ -93,7 +93,6 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
         "train_tokens": data.ids.numel(),
         "train_sequences": len(data),
         "base_model": model_dir.name,
-        "date": time.strftime("%Y-%m-%d"),
     }
     write_skipper_dir(out / "skipper", skipper, model.config, vskipper_training={**cfg.to_dict(), **summary})
     if full_checkpoint:
