@@ -352,6 +352,7 @@ def test_open_loop_arrivals_are_seeded_per_call_poisson_from_zero():
     assert _arrivals(1, 5.0, np.random.default_rng(0)) == [0.0]
 
 
+@pytest.mark.slow
 def test_unused_model_modules_keeps_every_module_naming_the_architecture(tmp_path):
     """SGLANG_DISABLED_MODEL_ARCHS for a server: SGLang's model modules that never name the
     checkpoint's architecture; none when a name is found nowhere (SGLang then searches as usual)."""

@@ -230,6 +230,7 @@ def routed_inputs(T, H, I, dtype, device, seed=0):
             attn)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_torch_compile_routed_body_matches_eager(device):
     torch._dynamo.reset()

@@ -141,6 +141,7 @@ def test_lifetime_half_width_pools_the_spread_of_lifetime_means_over_systems():
         stats.lifetime_half_width({"a": [0.1, 0.2, 0.3]}, lives)
 
 
+@pytest.mark.slow
 def test_rerun_interval_covers_the_true_ratio_despite_lifetime_offsets():
     """Simulated runs: 5 rounds on 2 lifetimes, every server 3% off for its whole life (upstream's too),
     1% noise per round. Resampling rounds alone covers the true +10% in about 2 of 3 runs; with the
