@@ -108,7 +108,9 @@ def quality_through(urls: dict[str, str], out: Path, args) -> dict:
 
 
 def sentence(step, serving, q_sk, q_base) -> str:
-    """faster and as good / faster and worse by X / not resolved and why."""
+    """faster and as good / faster and worse by X / not resolved and why. "As good" needs both: the
+    facts score within one standard error of the base's, and greedy answers that mostly agree with the
+    base's (at least half of its tokens before the first divergence, on average)."""
     faster = step.hi < 0
     if not faster:
         return ("not resolved: the decode step's rerun interval includes no change" if step.lo <= 0 <= step.hi
@@ -117,10 +119,13 @@ def sentence(step, serving, q_sk, q_base) -> str:
         return "faster; its answers are not the base model's (the speed bound, not a usable skipper)"
     diff = q_sk["facts"] - q_base["facts"]
     se = math.sqrt(q_sk["facts_stderr"] ** 2 + q_base["facts_stderr"] ** 2)
-    prefix = f"greedy answers agree with upstream for {q_sk['prefix_mean']:.1f} of {q_base['prefix_mean']:.1f} tokens"
-    if abs(diff) <= se:
-        return f"faster and as good on the facts task (within one standard error); {prefix}"
-    return f"faster and {'worse' if diff < 0 else 'better'} by {abs(diff):.0%} on the facts task; {prefix}"
+    agree = f"greedy answers agree with upstream's for {q_sk['prefix_mean']:.1f} of {q_base['prefix_mean']:.0f} tokens"
+    if abs(diff) > se:
+        return f"faster and {'worse' if diff < 0 else 'better'} by {abs(diff):.0%} on the facts task; {agree}"
+    if q_sk["prefix_mean"] < q_base["prefix_mean"] / 2:
+        return (f"faster, but its answers are not the base model's: {agree} (the facts score is within one "
+                f"standard error, +-{se:.0%} at this size)")
+    return f"faster and as good: the facts score within one standard error (+-{se:.0%}); {agree}"
 
 
 def main(argv=None) -> None:

@@ -381,8 +381,10 @@ def test_demo_verdict_from_step_rounds_and_quality():
     assert d["skip0.5-auto"].lo < 0 < d["skip0.5-auto"].hi  # noisy rounds: not resolved
     base = {"facts": 0.50, "facts_stderr": 0.05, "prefix_mean": 32.0}
     same = {"facts": 0.47, "facts_stderr": 0.05, "prefix_mean": 20.5}
+    drifts = {"facts": 0.47, "facts_stderr": 0.05, "prefix_mean": 2.0}
     worse = {"facts": 0.30, "facts_stderr": 0.05, "prefix_mean": 3.0}
-    assert demo.sentence(d["trained-auto"], None, same, base).startswith("faster and as good on the facts task")
+    assert demo.sentence(d["trained-auto"], None, same, base).startswith("faster and as good")
+    assert demo.sentence(d["trained-auto"], None, drifts, base).startswith("faster, but its answers are not the base")
     assert demo.sentence(d["trained-auto"], None, worse, base).startswith("faster and worse by 20% on the facts task")
     assert demo.sentence(d["skip0.5-auto"], None, same, base).startswith("not resolved")
     assert "speed bound" in demo.sentence(d["trained-auto"], None, None, base)
