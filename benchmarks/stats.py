@@ -120,11 +120,6 @@ class Delta:
     hi: float
     ratios: tuple[float, ...]
 
-    @property
-    def resolved(self) -> bool:
-        """False when the 95% CI spans 0 (the change cannot be told from none)."""
-        return not (self.lo <= 0.0 <= self.hi)
-
     def text(self) -> str:
         s = f"{self.median:+.1%} [{self.lo:+.1%}, {self.hi:+.1%}]"
         return s if self.resolved else s + " not resolved"
@@ -132,6 +127,11 @@ class Delta:
     def ratio_text(self, digits: int = 3) -> str:
         """As a ratio with its interval: `1.120 [1.080, 1.150]`."""
         return f"{1 + self.median:.{digits}f} [{1 + self.lo:.{digits}f}, {1 + self.hi:.{digits}f}]"
+
+    @property
+    def resolved(self) -> bool:
+        """False when the 95% CI spans 0 (the change cannot be told from none)."""
+        return not (self.lo <= 0.0 <= self.hi)
 
 
 def paired_delta(values: list[float], baseline: list[float], seed: int = 0) -> Delta:

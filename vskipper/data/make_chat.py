@@ -20,29 +20,32 @@ from pathlib import Path
 
 from vskipper.data.make_prompts import arithmetic, word_problem
 
-# country, capital, continent
-COUNTRIES = [
-    ("France", "Paris", "Europe"), ("Germany", "Berlin", "Europe"), ("Italy", "Rome", "Europe"),
-    ("Spain", "Madrid", "Europe"), ("Portugal", "Lisbon", "Europe"), ("Greece", "Athens", "Europe"),
-    ("Poland", "Warsaw", "Europe"), ("Austria", "Vienna", "Europe"), ("Sweden", "Stockholm", "Europe"),
-    ("Norway", "Oslo", "Europe"), ("Finland", "Helsinki", "Europe"), ("Denmark", "Copenhagen", "Europe"),
-    ("Ireland", "Dublin", "Europe"), ("Hungary", "Budapest", "Europe"), ("Belgium", "Brussels", "Europe"),
-    ("the Netherlands", "Amsterdam", "Europe"), ("Russia", "Moscow", "Europe"), ("Ukraine", "Kyiv", "Europe"),
-    ("Japan", "Tokyo", "Asia"), ("China", "Beijing", "Asia"), ("India", "New Delhi", "Asia"),
-    ("South Korea", "Seoul", "Asia"), ("Thailand", "Bangkok", "Asia"), ("Vietnam", "Hanoi", "Asia"),
-    ("Indonesia", "Jakarta", "Asia"), ("the Philippines", "Manila", "Asia"), ("Iran", "Tehran", "Asia"),
-    ("Turkey", "Ankara", "Asia"), ("Saudi Arabia", "Riyadh", "Asia"), ("Pakistan", "Islamabad", "Asia"),
-    ("Egypt", "Cairo", "Africa"), ("Kenya", "Nairobi", "Africa"), ("Nigeria", "Abuja", "Africa"),
-    ("Ethiopia", "Addis Ababa", "Africa"), ("Morocco", "Rabat", "Africa"), ("Ghana", "Accra", "Africa"),
-    ("Senegal", "Dakar", "Africa"), ("Uganda", "Kampala", "Africa"), ("Tanzania", "Dodoma", "Africa"),
-    ("Canada", "Ottawa", "North America"), ("Mexico", "Mexico City", "North America"),
-    ("the United States", "Washington, D.C.", "North America"), ("Cuba", "Havana", "North America"),
-    ("Jamaica", "Kingston", "North America"), ("Brazil", "Brasilia", "South America"),
-    ("Argentina", "Buenos Aires", "South America"), ("Chile", "Santiago", "South America"),
-    ("Peru", "Lima", "South America"), ("Colombia", "Bogota", "South America"),
-    ("Venezuela", "Caracas", "South America"), ("Australia", "Canberra", "Oceania"),
-    ("New Zealand", "Wellington", "Oceania"), ("Fiji", "Suva", "Oceania"),
-]
+
+def _countries(table: str) -> list[tuple[str, str, str]]:
+    """(country, capital, continent) from lines `continent: country/capital; country/capital; ...`."""
+    rows = []
+    for line in table.strip().splitlines():
+        continent, pairs = line.strip().split(": ")
+        for pair in pairs.split("; "):
+            country, capital = pair.split("/")
+            rows.append((country, capital, continent))
+    return rows
+
+
+# (country, capital, continent); keep the order: the committed .jsonl files were drawn from this list
+COUNTRIES = _countries("""
+    Europe: France/Paris; Germany/Berlin; Italy/Rome; Spain/Madrid; Portugal/Lisbon; Greece/Athens; Poland/Warsaw
+    Europe: Austria/Vienna; Sweden/Stockholm; Norway/Oslo; Finland/Helsinki; Denmark/Copenhagen; Ireland/Dublin
+    Europe: Hungary/Budapest; Belgium/Brussels; the Netherlands/Amsterdam; Russia/Moscow; Ukraine/Kyiv
+    Asia: Japan/Tokyo; China/Beijing; India/New Delhi; South Korea/Seoul; Thailand/Bangkok; Vietnam/Hanoi
+    Asia: Indonesia/Jakarta; the Philippines/Manila; Iran/Tehran; Turkey/Ankara; Saudi Arabia/Riyadh; Pakistan/Islamabad
+    Africa: Egypt/Cairo; Kenya/Nairobi; Nigeria/Abuja; Ethiopia/Addis Ababa; Morocco/Rabat
+    Africa: Ghana/Accra; Senegal/Dakar; Uganda/Kampala; Tanzania/Dodoma
+    North America: Canada/Ottawa; Mexico/Mexico City; the United States/Washington, D.C.; Cuba/Havana; Jamaica/Kingston
+    South America: Brazil/Brasilia; Argentina/Buenos Aires; Chile/Santiago; Peru/Lima
+    South America: Colombia/Bogota; Venezuela/Caracas
+    Oceania: Australia/Canberra; New Zealand/Wellington; Fiji/Suva
+""")
 OPPOSITES = [("hot", "cold"), ("big", "small"), ("fast", "slow"), ("happy", "sad"), ("light", "dark"),
              ("up", "down"), ("open", "closed"), ("early", "late"), ("full", "empty"), ("old", "young"),
              ("strong", "weak"), ("hard", "soft"), ("wet", "dry"), ("rich", "poor"), ("loud", "quiet"),

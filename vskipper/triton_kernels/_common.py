@@ -119,6 +119,39 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def paged_kv_block(k_head, v_head, slots_row, start, end, offs_d, in_d, stride_kp, stride_vp,
+                   BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """Positions start .. start + BLOCK_N - 1 of one request in SGLang's paged KV pool, those >= end
+    masked (loaded as zeros): (K transposed [BLOCK_D, BLOCK_N], V [BLOCK_N, BLOCK_D], the positions
+    offs_n, their mask in_n). k_head / v_head point at the KV head in k_buffer / v_buffer, slots_row
+    at the request's row of req_to_token; K and V in f32 when UPCAST."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    in_n = offs_n < end
+    slots = tl.load(slots_row + offs_n, mask=in_n, other=0).to(tl.int64)
+    k = tl.load(k_head + slots[None, :] * stride_kp + offs_d[:, None],
+                mask=in_d[:, None] & in_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+    v = tl.load(v_head + slots[:, None] * stride_vp + offs_d[None, :],
+                mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v, offs_n, in_n
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One block of the online softmax (flash attention): scores s [M, N] in f32 (masked ones -inf;
+    each row needs a finite score by now, or its m stays -inf and the result is NaN), values
+    v [N, D] -> the running row max m_i [M], row sum l_i [M] and f32 accumulator acc [M, D], updated."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 def check_paged_kv(op: str, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                    req_to_token: torch.Tensor, q_legend: str) -> None:
     """What the paged attention ops share: q [rows, nh, d] and SGLang's KV pool, k_buffer and v_buffer

@@ -15,20 +15,8 @@ from __future__ import annotations
 import torch
 
 from vskipper import kernel_configs
-from vskipper.triton_kernels._common import (
-    INDEXES,
-    check_devices,
-    check_dim,
-    check_dtype,
-    check_inner_contiguous,
-    check_launchable,
-    check_paged_kv,
-    dot_flags,
-    expect,
-    stages_for,
-    tl,
-    triton,
-)
+from vskipper.triton_kernels import _common
+from vskipper.triton_kernels._common import online_softmax_step, paged_kv_block, tl, triton
 
 
 def default_config(bucket: int) -> dict:
@@ -56,7 +44,7 @@ def _masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, seq_p
         tl.store(o_ptrs, tl.zeros((BLOCK_G, BLOCK_D), dtype=o_ptr.dtype.element_ty), mask=gd_mask)
         return
     seq_len = tl.load(seq_ptr + b).to(tl.int32)  # positions index one row of req_to_token: < 2**31
-    req = tl.load(rpi_ptr + b).to(tl.int64)
+    slots_row = r2t_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_r2t
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -65,50 +53,38 @@ def _masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, seq_p
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for start in range(0, seq_len, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_n = offs_n < seq_len
-        slots = tl.load(r2t_ptr + req * stride_r2t + offs_n, mask=in_n, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * stride_kp + kv_head * stride_kh + offs_d[:, None],
-                    mask=in_d[:, None] & in_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_ptr + slots[:, None] * stride_vp + kv_head * stride_vh + offs_d[None, :],
-                    mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v, offs_n, in_n = paged_kv_block(k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, slots_row,
+                                            start, seq_len, offs_d, in_d, stride_kp, stride_vp, BLOCK_N, UPCAST)
         s = tl.dot(q, k, input_precision=PRECISION) * sm_scale  # [BLOCK_G, BLOCK_N], f32
-        s = tl.where(in_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has a position < seq_len
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        s = tl.where(in_n[None, :], s, float("-inf"))  # every step has a position < seq_len: m stays finite
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
 def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask) -> None:
     op = "masked_decode_attention"
-    check_paged_kv(op, q, k_buffer, v_buffer, req_to_token, "[B, nh, d]")
+    _common.check_paged_kv(op, q, k_buffer, v_buffer, req_to_token, "[B, nh, d]")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("run_mask", run_mask)):
-        check_dim(op, name, t, 1, "[B]")
-        expect(t.shape[0] == q.shape[0], op, f"{name} has {t.shape[0]} entries but q has B = {q.shape[0]} rows")
-    check_dtype(op, "req_pool_indices", req_pool_indices, INDEXES)
-    check_dtype(op, "seq_lens", seq_lens, INDEXES)
-    check_dtype(op, "run_mask", run_mask, (torch.bool,))
-    check_devices(op, q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
-                  req_pool_indices=req_pool_indices, seq_lens=seq_lens, run_mask=run_mask)
+        _common.check_dim(op, name, t, 1, "[B]")
+        _common.expect(t.shape[0] == q.shape[0], op,
+                       f"{name} has {t.shape[0]} entries but q has B = {q.shape[0]} rows")
+    _common.check_dtype(op, "req_pool_indices", req_pool_indices, _common.INDEXES)
+    _common.check_dtype(op, "seq_lens", seq_lens, _common.INDEXES)
+    _common.check_dtype(op, "run_mask", run_mask, (torch.bool,))
+    _common.check_devices(op, q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
+                          req_pool_indices=req_pool_indices, seq_lens=seq_lens, run_mask=run_mask)
 
 
 def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask, sm_scale: float,
            tuned: bool = True):
     check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask)
     op = "masked_decode_attention"
-    check_launchable(op, _masked_decode_attention_kernel, q.device)
+    _common.check_launchable(op, _masked_decode_attention_kernel, q.device)
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("req_to_token", req_to_token)):
-        check_inner_contiguous(op, name, t)
+        _common.check_inner_contiguous(op, name, t)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("run_mask", run_mask)):
-        expect(t.is_contiguous(), op, f"{name} must be contiguous (stride {t.stride()}); call .contiguous() first")
+        _common.check_contiguous(op, name, t)
     B, nh, d = q.shape
     kvh = k_buffer.shape[1]
     o = torch.empty(B, nh, d, dtype=q.dtype, device=q.device)
@@ -116,14 +92,14 @@ def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_
         return o
     cfg = kernel_configs.lookup(op, B, q.device, default_config, tuned)
     group = nh // kvh
-    upcast, precision = dot_flags(q.dtype, _masked_decode_attention_kernel)
+    upcast, precision = _common.dot_flags(q.dtype, _masked_decode_attention_kernel)
     _masked_decode_attention_kernel[(B, kvh)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask.view(torch.uint8), o,
         float(sm_scale), d, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=cfg["BLOCK_N"], UPCAST=upcast, PRECISION=precision, num_warps=cfg["num_warps"],
-        num_stages=stages_for(q.dtype, cfg["num_stages"]))
+        num_stages=_common.stages_for(q.dtype, cfg["num_stages"]))
     return o
 
 

@@ -27,20 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from vskipper import kernel_configs
-from vskipper.triton_kernels._common import (
-    INDEXES,
-    check_devices,
-    check_dim,
-    check_dtype,
-    check_inner_contiguous,
-    check_launchable,
-    check_paged_kv,
-    dot_flags,
-    expect,
-    stages_for,
-    tl,
-    triton,
-)
+from vskipper.triton_kernels import _common
+from vskipper.triton_kernels._common import online_softmax_step, paged_kv_block, tl, triton
 
 OP = "routed_prefill_attention"
 # torch_op attends blocks of this many RUN rows, each over the keys up to its last position (a
@@ -82,7 +70,7 @@ def _routed_prefill_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, pre_
         tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_D), dtype=o_ptr.dtype.element_ty), mask=md_mask)
         return
     kv_head = head // GROUP
-    req = tl.load(rpi_ptr + b).to(tl.int64)
+    slots_row = r2t_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_r2t
     pos = pre + offs_m  # [BLOCK_M] positions; each row attends positions <= pos
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=md_mask, other=0.0)
     if UPCAST:
@@ -92,62 +80,50 @@ def _routed_prefill_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, pre_
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     kv_end = pre + tl.minimum(m0 + BLOCK_M, ext)  # one past the block's last position
     for start in range(0, kv_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_n = offs_n < kv_end
-        slots = tl.load(r2t_ptr + req * stride_r2t + offs_n, mask=in_n, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * stride_kp + kv_head * stride_kh + offs_d[:, None],
-                    mask=in_d[:, None] & in_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_ptr + slots[:, None] * stride_vp + kv_head * stride_vh + offs_d[None, :],
-                    mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v, offs_n, in_n = paged_kv_block(k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, slots_row,
+                                            start, kv_end, offs_d, in_d, stride_kp, stride_vp, BLOCK_N, UPCAST)
         s = tl.dot(q, k, input_precision=PRECISION) * sm_scale  # [BLOCK_M, BLOCK_N], f32
+        # position 0 is in the first step for every row: m stays finite
         s = tl.where(in_n[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: position 0 is in the first step for every row
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o = tl.where(run[:, None] != 0, o, 0.0)
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=md_mask)
 
 
 def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask) -> None:
-    check_paged_kv(OP, q, k_buffer, v_buffer, req_to_token, "[T, nh, d]")
+    _common.check_paged_kv(OP, q, k_buffer, v_buffer, req_to_token, "[T, nh, d]")
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("extend_lens", extend_lens)):
-        check_dim(OP, name, t, 1, "[B]")
-        check_dtype(OP, name, t, INDEXES)
-        expect(t.shape[0] == req_pool_indices.shape[0], OP,
-               f"{name} has {t.shape[0]} entries but req_pool_indices has B = {req_pool_indices.shape[0]}")
-    check_dim(OP, "run_mask", run_mask, 1, "[T]")
-    expect(run_mask.shape[0] == q.shape[0], OP,
-           f"run_mask has {run_mask.shape[0]} entries but q has T = {q.shape[0]} rows")
-    check_dtype(OP, "run_mask", run_mask, (torch.bool,))
-    check_devices(OP, q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
-                  req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                  run_mask=run_mask)
+        _common.check_dim(OP, name, t, 1, "[B]")
+        _common.check_dtype(OP, name, t, _common.INDEXES)
+        _common.expect(t.shape[0] == req_pool_indices.shape[0], OP,
+                       f"{name} has {t.shape[0]} entries but req_pool_indices has B = {req_pool_indices.shape[0]}")
+    _common.check_dim(OP, "run_mask", run_mask, 1, "[T]")
+    _common.expect(run_mask.shape[0] == q.shape[0], OP,
+                   f"run_mask has {run_mask.shape[0]} entries but q has T = {q.shape[0]} rows")
+    _common.check_dtype(OP, "run_mask", run_mask, (torch.bool,))
+    _common.check_devices(OP, q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
+                          req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                          run_mask=run_mask)
 
 
 def check_lengths(T: int, C: int, prefix_lens: list[int], extend_lens: list[int]) -> None:
     """The host-side checks of the lengths (torch_op reads them anyway; the kernel trusts them)."""
-    expect(sum(extend_lens) == T, OP, f"extend_lens sum to {sum(extend_lens)} but q has T = {T} rows")
+    _common.expect(sum(extend_lens) == T, OP, f"extend_lens sum to {sum(extend_lens)} but q has T = {T} rows")
     for b, (pre, ext) in enumerate(zip(prefix_lens, extend_lens)):
-        expect(pre >= 0 and ext >= 0 and pre + ext <= C, OP,
-               f"request {b}: prefix {pre} + extend {ext} must be >= 0 and fit req_to_token's {C} columns")
+        _common.expect(pre >= 0 and ext >= 0 and pre + ext <= C, OP,
+                       f"request {b}: prefix {pre} + extend {ext} must be >= 0 and fit req_to_token's {C} columns")
 
 
 def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask,
            sm_scale: float, tuned: bool = True):
     check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask)
-    check_launchable(OP, _routed_prefill_attention_kernel, q.device)
+    _common.check_launchable(OP, _routed_prefill_attention_kernel, q.device)
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("req_to_token", req_to_token)):
-        check_inner_contiguous(OP, name, t)
+        _common.check_inner_contiguous(OP, name, t)
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
                     ("extend_lens", extend_lens), ("run_mask", run_mask)):
-        expect(t.is_contiguous(), OP, f"{name} must be contiguous (stride {t.stride()}); call .contiguous() first")
+        _common.check_contiguous(OP, name, t)
     T, nh, d = q.shape
     B, kvh = req_pool_indices.shape[0], k_buffer.shape[1]
     o = torch.empty(T, nh, d, dtype=q.dtype, device=q.device)
@@ -155,7 +131,7 @@ def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, e
         return o.zero_()
     cfg = kernel_configs.lookup(OP, T, q.device, default_config, tuned)
     starts = torch.cumsum(extend_lens, 0) - extend_lens  # [B], on the device
-    upcast, precision = dot_flags(q.dtype, _routed_prefill_attention_kernel)
+    upcast, precision = _common.dot_flags(q.dtype, _routed_prefill_attention_kernel)
     # grid over T // BLOCK_M row blocks per request (no host read of the longest extend): the blocks
     # past a request's rows return at once
     _routed_prefill_attention_kernel[(B, triton.cdiv(T, cfg["BLOCK_M"]), nh)](
@@ -164,7 +140,7 @@ def launch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, e
         k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
         GROUP=nh // kvh, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["BLOCK_N"],
         UPCAST=upcast, PRECISION=precision, num_warps=cfg["num_warps"],
-        num_stages=stages_for(q.dtype, cfg["num_stages"]))
+        num_stages=_common.stages_for(q.dtype, cfg["num_stages"]))
     return o
 
 
