@@ -16,8 +16,10 @@ SGLang, and what it costs in quality, in about ten minutes on 2 CPUs.
    errors;
 4. one verdict per skipper: step ratio, serving ratio, quality beside the base's, and one sentence.
 
-Writes out/demo/results.json and the page docs/results/demo.md. A first run (model conversion and
-calibration) fits the same budget: what it spends there, the rounds give up.
+Writes out/demo/results.json and the page docs/results/demo.md. Each run that writes the page also
+keeps its verdicts in docs/results/demo-runs/ (the latest three; older ones live in git history), and
+the page and the README's "at a glance" show those three runs side by side. A first run (model
+conversion and calibration) fits the same budget: what it spends there, the rounds give up.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ STEP_SYSTEMS = ["upstream", "rate0-auto", "trained-auto", "skip0.5-auto"]
 SERVING = {"trained": "vskipper-trained", "skip0.5": "vskipper"}  # demo name -> serving system name
 DECODE_BATCHES = (8, 32)
 HEADLINE = 32
+KEEP_RUNS = 3  # runs shown side by side: one run's interval should hold the others' medians
+README = R.ROOT / "README.md"
+README_BEGIN, README_END = "<!-- demo runs: written by benchmarks/demo.py -->", "<!-- end of demo runs -->"
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -182,11 +187,53 @@ def main(argv=None) -> None:
             f"{args.prompts} everyday prompts ({args.answer_tokens} tokens). {wall:.0f} s in all (setup "
             f"{setup_s:.0f} s, engine step {step_time:.0f} s).\n\n" + R.table(header, rows)
             + "\n\nverdict: " + "; ".join(verdicts) + "\n")
+    runs = None
+    if R.docs_dir(args) is not None:
+        runs = record_run(R.docs_dir(args), {
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": R.machine(), "wall_s": round(wall),
+            "setup_s": round(setup_s), "decode_b32": steps["decode"][HEADLINE]["trained-auto"].ratio_text(),
+            "quality": rows[0][5], "verdict": verdicts[0].split(": ", 1)[1]})
+        text += "\n" + runs_table(runs) + "\n"
     print(text)
     R.write_results("demo", {"step_s": step_s, "serving": serving, "quality": quality, "verdicts": verdicts,
                              "setup_s": setup_s, "step_phase_s": step_time, "wall_s": wall}, text, out,
                     R.docs_dir(args))
+    if runs is not None and R.docs_dir(args) == R.DOCS:
+        write_readme_block(README, runs_table(runs, dates=False))
     log(f"demo: {wall:.0f} s in all")
+
+
+def record_run(docs: Path, run: dict) -> list[dict]:
+    """Keep this run's verdict in docs/demo-runs/ (the latest KEEP_RUNS files); returns those runs."""
+    folder = Path(docs) / "demo-runs"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    (folder / f"{stamp}.json").write_text(json.dumps(run, indent=1) + "\n")
+    files = sorted(folder.glob("*.json"))
+    for old in files[:-KEEP_RUNS]:
+        old.unlink()
+    return [json.loads(f.read_text()) for f in files[-KEEP_RUNS:]]
+
+
+def runs_table(runs: list[dict], dates: bool = True) -> str:
+    """The latest runs of the main job, oldest first: the shipped trained skipper's verdict in each
+    (numbered instead of dated for the README, whose dates live on the linked page)."""
+    rows = [[r["date"] if dates else str(i), f"{r['wall_s']} s (setup {r['setup_s']} s)", r["decode_b32"],
+             r["quality"], r["verdict"]] for i, r in enumerate(runs, 1)]
+    return (f"The latest {len(runs)} runs of `make demo` ({runs[-1]['machine']}), the shipped trained skipper:\n\n"
+            + R.table(["run", "wall time", f"decode step, batch {HEADLINE} / upstream", "quality", "verdict"], rows))
+
+
+def write_readme_block(readme: Path, block: str) -> None:
+    """Replace the README's generated block (between README_BEGIN and README_END) with `block`."""
+    text = readme.read_text()
+    head, sep, rest = text.partition(README_BEGIN)
+    _, sep2, tail = rest.partition(README_END)
+    if not sep or not sep2:
+        log(f"demo: {readme} has no '{README_BEGIN}' ... '{README_END}' block; the README is left as it is")
+        return
+    readme.write_text(f"{head}{README_BEGIN}\n{block.strip()}\n\nThe page: [docs/results/demo.md]"
+                      f"(docs/results/demo.md).\n{README_END}{tail}")
 
 
 if __name__ == "__main__":

@@ -388,3 +388,32 @@ def test_demo_verdict_from_step_rounds_and_quality():
     assert demo.sentence(d["trained-auto"], None, worse, base).startswith("faster and worse by 20% on the facts task")
     assert demo.sentence(d["skip0.5-auto"], None, same, base).startswith("not resolved")
     assert "speed bound" in demo.sentence(d["trained-auto"], None, None, base)
+
+
+def test_demo_keeps_the_latest_three_runs_and_writes_them_into_the_readme_block(tmp_path):
+    from benchmarks import demo
+
+    def run(i):
+        return {"date": f"2026-01-0{i} 10:00 UTC", "machine": "cpu", "wall_s": 500 + i, "setup_s": 3,
+                "decode_b32": f"0.9{i} [0.88, 0.94]", "quality": "facts 46%", "verdict": f"verdict {i}"}
+
+    for i in range(1, 6):
+        demo.record_run(tmp_path, run(i))
+        (tmp_path / "demo-runs" / sorted(p.name for p in (tmp_path / "demo-runs").iterdir())[-1]).rename(
+            tmp_path / "demo-runs" / f"2026010{i}-100000.json")  # distinct stamps within one second
+    kept = sorted(p.name for p in (tmp_path / "demo-runs").iterdir())
+    assert kept == ["20260103-100000.json", "20260104-100000.json", "20260105-100000.json"]
+    table = demo.runs_table([json.loads((tmp_path / "demo-runs" / k).read_text()) for k in kept])
+    assert "The latest 3 runs" in table and "verdict 5" in table and "verdict 2" not in table
+    firsts = [line.split(" | ")[0] for line in table.splitlines()[-3:]]
+    assert firsts == [f"| 2026-01-0{i} 10:00 UTC" for i in (3, 4, 5)]
+    assert "2026-" not in demo.runs_table([run(3)], dates=False)  # the README's copy: numbered, not dated
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{demo.README_BEGIN}\nold table\n{demo.README_END}\nafter\n")
+    demo.write_readme_block(readme, table)
+    text = readme.read_text()
+    assert "old table" not in text and "verdict 5" in text and text.startswith("# x\n\nbefore\n")
+    assert text.endswith(f"{demo.README_END}\nafter\n") and "docs/results/demo.md" in text
+    readme.write_text("# no block\n")
+    demo.write_readme_block(readme, table)  # a README without the block is left alone
+    assert readme.read_text() == "# no block\n"
