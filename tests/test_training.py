@@ -288,6 +288,53 @@ def test_prompt_split_is_by_id_and_disjoint():
     assert all(int(r["id"][1:]) % 5 == 0 for r in held)
 
 
+class CharTokenizer:
+    """Enough of a tokenizer for self_distillation: the chat template as text, one id per character."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def apply_chat_template(self, turns, tokenize, add_generation_prompt):
+        return "".join(f"<{t['role']}>{t['content']}" for t in turns) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Enc", (), {"input_ids": [2 + ord(c) % (VOCAB - 2) for c in text]})()
+
+
+def test_self_distillation_keeps_the_answers_of_an_interrupted_run(base, tmp_path):
+    """Answers are kept batch by batch in a .partial file; a restart generates only the missing ones
+    (a line cut short is generated again) and gives what an uninterrupted run gives."""
+    from vskipper.training.data import generate_greedy, self_distillation
+
+    tok = CharTokenizer()
+    records = [{"id": f"p{i:03d}", "prompt": "abcdefghij"[: 3 + i % 7] * (1 + i % 2)} for i in range(10)]
+    whole = self_distillation(base, tok, records, 5, tmp_path / "a", "tiny", batch_size=3)
+    assert not list((tmp_path / "a").glob("*.partial"))
+    prompts = [r["ids"][: r["n_prompt"]] for r in whole]
+    seen = []
+    generate_greedy(base, prompts, 5, 1, 0, 3, done={i: whole[i]["ids"][whole[i]["n_prompt"]:] for i in range(6)},
+                    on_batch=lambda b: seen.extend(b))
+    assert sorted(seen) == [6, 7, 8, 9]  # only what was not done
+    path = next((tmp_path / "a").glob("generations-*.jsonl"))
+    (tmp_path / "b").mkdir()
+    partial = tmp_path / "b" / path.with_suffix(".partial").name
+    lines = [json.dumps({"i": i, "new": whole[i]["ids"][whole[i]["n_prompt"]:]}) for i in (0, 4, 7)]
+    partial.write_text("\n".join(lines) + '\n{"i": 9, "new": [3, 4')  # the last line cut short
+    again = self_distillation(base, tok, records, 5, tmp_path / "b", "tiny", batch_size=3)
+    assert again == whole and not partial.exists()
+
+
+def test_max_prompts_keeps_every_kind_of_prompt():
+    from vskipper.training.run import evenly_spaced
+
+    items = [("chat", i) for i in range(60)] + [("fact", i) for i in range(30)] + [("arith", i) for i in range(10)]
+    picked = evenly_spaced(items, 20)
+    assert len(picked) == 20 and len(set(picked)) == 20 and picked[0] == items[0]
+    assert [k for k, _ in picked].count("fact") == 6 and [k for k, _ in picked].count("arith") == 2
+    assert evenly_spaced(items, 100) == items
+    with pytest.raises(ValueError, match="max_prompts=0 must be a positive integer"):
+        TrainConfig(layers=LAYERS, max_prompts=0)
+
+
 @pytest.fixture
 def model_dir(base, tmp_path):
     base.save_pretrained(tmp_path / "tiny")
@@ -303,6 +350,7 @@ def model_dir(base, tmp_path):
     (["--target-skip", "1.5"], r"target_skip=1.5 must be a number in \(0, 1\)"),
     (["--steps", "0"], r"steps=0 must be a positive integer"),
     (["--resume"], r"--resume: .* has no saved training state"),
+    (["--max-prompts", "0"], r"--max-prompts=0: expected a positive number of prompts"),
 ])
 def test_cli_rejects_bad_input(model_dir, tmp_path, capsys, flags, message):
     from vskipper.cli import main

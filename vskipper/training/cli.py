@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=",".join(d.data),
                    help=f"prompt sets to self-distill, comma-separated, from {', '.join(DATA_SETS)} "
                         f"(default %(default)s)")
+    p.add_argument("--max-prompts", type=int, help="train on at most this many of those prompts, evenly spaced "
+                                                  "over them (every kind keeps its share; default: all)")
     p.add_argument("--gate", choices=["soft", "hard"], default=d.gate)
     p.add_argument("--loss", choices=["kl", "lm"], default=d.loss)
     p.add_argument("--penalty", default=str(d.penalty), help=f"skip penalty weight (default {d.penalty})")
@@ -66,7 +68,10 @@ def _config(args: argparse.Namespace, num_layers: int) -> TrainConfig:
     bad = [d for d in data if d not in DATA_SETS]
     if bad or not data:
         raise ValueError(f"--data={args.data!r}: expected prompt sets among {', '.join(DATA_SETS)}, comma-separated")
-    return TrainConfig(layers=tuple(layers), data=data, gate=args.gate, loss=args.loss, penalty=penalty,
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise ValueError(f"--max-prompts={args.max_prompts}: expected a positive number of prompts")
+    return TrainConfig(layers=tuple(layers), data=data, max_prompts=args.max_prompts, gate=args.gate, loss=args.loss,
+                       penalty=penalty,
                        penalty_warmup=args.penalty_warmup, target_skip=args.target_skip,
                        target_rate=args.target_rate, init_logit=args.init_logit,
                        straight_through=not args.no_straight_through, init=args.init, topk=args.topk,

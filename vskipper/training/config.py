@@ -37,6 +37,7 @@ class TrainConfig:
 
     layers: tuple[int, ...]
     data: tuple[str, ...] = ("prompts",)
+    max_prompts: int | None = None
     gate: str = "soft"
     loss: str = "kl"
     penalty: float = 0.1
@@ -66,6 +67,9 @@ class TrainConfig:
         if not self.data or any(d not in DATA_SETS for d in self.data) or len(set(self.data)) != len(self.data):
             raise ValueError(f"TrainConfig: data={list(self.data)!r} must name distinct prompt sets among "
                              f"{list(DATA_SETS)}")
+        n = self.max_prompts
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"TrainConfig: max_prompts={self.max_prompts!r} must be a positive integer or None")
         if self.gate not in ("soft", "hard"):
             raise ValueError(f"TrainConfig: gate={self.gate!r} must be 'soft' or 'hard'")
         if self.loss not in LOSSES:

@@ -63,12 +63,15 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 @torch.no_grad()
 def generate_greedy(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | None,
-                    pad: int, batch_size: int = 32, log=None) -> list[list[int]]:
+                    pad: int, batch_size: int = 32, log=None, done: dict[int, list[int]] | None = None,
+                    on_batch=None) -> list[list[int]]:
     """Greedy continuations of token-id prompts with `model.generate` (any transformers model,
     transformed or not), batched by length with left padding. Each continuation stops after the
-    first eos (kept) or at max_new_tokens."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int] | None] = [None] * len(prompts)
+    first eos (kept) or at max_new_tokens. `done`: continuations already known, by prompt index (not
+    generated again); `on_batch({index: continuation})` is called after each generated batch."""
+    done = done or {}
+    order = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
+    out: list[list[int] | None] = [done.get(i) for i in range(len(prompts))]
     t0 = time.perf_counter()
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
@@ -80,9 +83,11 @@ def generate_greedy(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
             if eos is not None and eos in new:
                 new = new[: new.index(eos) + 1]
             out[i] = new
+        if on_batch:
+            on_batch({i: out[i] for i in idx})
         if log:
-            done = min(start + batch_size, len(order))
-            log(f"generate: {done}/{len(order)} prompts, {time.perf_counter() - t0:.0f} s")
+            log(f"generate: {len(done) + min(start + batch_size, len(order))}/{len(prompts)} prompts, "
+                f"{time.perf_counter() - t0:.0f} s")
     return out  # type: ignore[return-value]
 
 
@@ -93,7 +98,8 @@ def _key(*parts) -> str:
 def self_distillation(model: nn.Module, tokenizer, records: list[dict], max_new_tokens: int, cache_dir: Path,
                       model_tag: str, batch_size: int = 32, log=None) -> list[dict]:
     """[{"id", "ids": prompt + greedy answer, "n_prompt"}] for `records`, cached in cache_dir
-    (keyed by model tag, prompts and max_new_tokens)."""
+    (keyed by model tag, prompts and max_new_tokens). Answers are appended to a .partial file batch
+    by batch, so an interrupted run generates only what is missing when it starts again."""
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in records]
     key = _key(model_tag, max_new_tokens, [r["id"] for r in records], prompts)
     path = Path(cache_dir) / f"generations-{key}.jsonl"
@@ -106,12 +112,29 @@ def self_distillation(model: nn.Module, tokenizer, records: list[dict], max_new_
         log(f"self-distillation: greedy answers of the base model to {len(records)} training prompts "
             f"(max {max_new_tokens} new tokens), cached in {path}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    news = generate_greedy(model, prompts, max_new_tokens, tokenizer.eos_token_id, pad, batch_size, log)
-    rows = [{"id": r["id"], "ids": p + n, "n_prompt": len(p)} for r, p, n in zip(records, prompts, news)]
     path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    done = {}
+    if partial.is_file():
+        for line in partial.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                done[int(rec["i"])] = list(rec["new"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by an interruption: that answer is generated again
+        if log and done:
+            log(f"self-distillation: {len(done)} answers kept from an interrupted run ({partial})")
+
+    def keep(batch: dict[int, list[int]]) -> None:
+        with partial.open("a") as f:
+            f.write("".join(json.dumps({"i": i, "new": new}) + "\n" for i, new in batch.items()))
+
+    news = generate_greedy(model, prompts, max_new_tokens, tokenizer.eos_token_id, pad, batch_size, log, done, keep)
+    rows = [{"id": r["id"], "ids": p + n, "n_prompt": len(p)} for r, p, n in zip(records, prompts, news)]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tmp.rename(path)
+    partial.unlink(missing_ok=True)
     return rows
 
 

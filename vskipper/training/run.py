@@ -26,6 +26,11 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def evenly_spaced(items: list, n: int) -> list:
+    """n of the items at evenly spaced positions (the first included): each kind keeps its share."""
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_new_tokens: int = 128,
           full_checkpoint: bool = True, log=_log) -> Trainer:
     """Train a FlexiDepth skipper for the model in `model_dir` (default: the bundled
@@ -55,6 +60,9 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
         train_set, heldout = train_set + t, heldout + h
     log(f"prompts ({', '.join(cfg.data)}): {len(train_set)} for training, {len(heldout)} held out "
         f"(ids with number % 5 == 0)")
+    if cfg.max_prompts is not None and cfg.max_prompts < len(train_set):
+        train_set = evenly_spaced(train_set, cfg.max_prompts)
+        log(f"prompts: {len(train_set)} of them, evenly spaced (--max-prompts)")
     cache = cache_root() / "training"
     tag = model_tag(model_dir)
     rows = self_distillation(model, tok, train_set, max_new_tokens, cache, tag, log=log)
