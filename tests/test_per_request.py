@@ -79,7 +79,7 @@ def test_cap_forces_run_with_gate_one_deepest_first_and_counts_per_setting():
         forced = budget <= rank
         assert torch.equal(run2, run | forced) and bad2 is bad
         assert torch.equal(g2, torch.where(forced, torch.ones_like(g), g))
-        counts = dict(zip(SETTINGS, (dict(zip(COUNTS, r)) for r in cap.counts.tolist())))
+        counts = dict(zip(SETTINGS, (dict(zip(COUNTS, r)) for r in cap.setting_counts())))
         assert counts["default"] == dict(tokens=0, run=0, project=0, forced=0)  # the RouteCounter counts those
         assert counts["no_skip"] == dict(tokens=2, run=2, project=0, forced=2)  # the padding row is not counted
         capped_forced = int(rank >= 2)

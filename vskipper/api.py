@@ -36,6 +36,7 @@ class VSkipperState(nn.Module):
         self.bodies: dict[int, Body] = {}
         self.reasons: dict[int, str] = {}
         self.graphs: tuple = ()
+        self.levels: tuple[int, ...] = ()  # elastic depth's ladder of budgets, where an engine runs one
 
     def explain(self) -> str:
         n = len(self.skipper.layers)
@@ -153,17 +154,22 @@ def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> di
     engine passes per-request settings (SGLang): {setting: {layer: {"tokens", "run", "project",
     "forced"}}}, setting "default" (no cap), "capped" (max_skip below 1 but above 0 layers) or
     "no_skip" (skip false, or a cap of 0 layers); "forced" counts rows forced to RUN by the setting.
+    Under elastic depth (vskipper/elastic.py) also "level j": the rows whose cap (the stricter of the
+    request's field and its level) was level j's budget.
     reset zeroes the counts returned (by_setting: the caps' and the route counters')."""
     state = _state(model)
-    if by_setting:  # the caps count the rows with a setting; "default" is the rest of the layer's rows
-        out = {s: {} for s in SETTINGS}
+    if by_setting:  # the caps count the rows with a budget; "default" is the rest of the layer's rows
+        out = {s: {} for s in SETTINGS + tuple(f"level {j}" for j in range(len(state.levels)))}
         for key, cap in state.caps.items():
             layer = int(key)
-            rows = dict(zip(SETTINGS, cap.counts.tolist()))
+            rows = dict(zip(SETTINGS, cap.setting_counts()))
             total = state.counters[key].read()
             rows["default"] = [total[c] - sum(rows[s][i] for s in SETTINGS[1:]) if c in total else 0
                                for i, c in enumerate(COUNTS)]
-            for s in SETTINGS:
+            by_budget = cap.counts.tolist()
+            for j, k in enumerate(state.levels):  # elastic depth: the rows whose cap was level j's
+                rows[f"level {j}"] = rows["default"] if k >= cap.n_layers else by_budget[k]
+            for s in out:
                 out[s][layer] = dict(zip(COUNTS, rows[s]))
             if reset:
                 cap.counts.zero_()

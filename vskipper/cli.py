@@ -70,6 +70,18 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
         env["VSKIPPER_STATS_INTERVAL"] = str(args.stats_interval)
     if args.threshold is not None:
         env["VSKIPPER_THRESHOLD"] = args.threshold
+    from vskipper.elastic import parse_ms
+
+    for flag, value, var in (("--tpot-ms", args.tpot_ms, "VSKIPPER_TPOT_MS"),
+                             ("--ttft-ms", args.ttft_ms, "VSKIPPER_TTFT_MS")):
+        if value is not None:
+            try:
+                parse_ms(flag, value)
+            except ValueError as e:
+                _fail(str(e))
+            env[var] = value
+    if args.ttft_ms is not None and not env.get("VSKIPPER_TPOT_MS"):
+        _fail("--ttft-ms is a target of elastic depth, which --tpot-ms turns on; give --tpot-ms too")
     try:
         settings = Settings.from_env(env)  # a malformed skipper spec fails here, naming the field
     except ValueError as e:
@@ -79,6 +91,7 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
         from vskipper.models.smollm2 import smollm2_dir
 
         model_path = str(smollm2_dir())
+        arch = None
     else:
         try:
             arch = (read_config(model_path).get("architectures") or [None])[0]
@@ -89,6 +102,9 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
         if arch in DD_ARCHITECTURES and args.skipper == "none":
             _fail(f"{model_path} is a skip-aware checkpoint ({arch}): its skipper is part of it, --skipper none "
                   f"cannot remove it; serve its base model for the plain model")
+    if settings.tpot_ms is not None and arch not in DD_ARCHITECTURES and not settings.skipper_spec:
+        _fail("--tpot-ms sets a latency target for elastic depth, which needs a skipper; this server has none "
+              "(give --skipper, or drop --tpot-ms)")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
     if not any(_has_flag(sglang_args, f) for f in MULTI_RANK_FLAGS):
         private_rendezvous(env)
@@ -149,6 +165,12 @@ def main(argv: list[str] | None = None) -> None:
                         "the dense-masked body)")
     s.add_argument("--threshold", help="the FlexiDepth router's threshold (default 0.5): a token runs a routed "
                                        "layer when its gate is above it, so a higher one skips less")
+    s.add_argument("--tpot-ms", "--vskipper-tpot-ms", dest="tpot_ms",
+                   help="elastic depth: a latency target in ms per output token; the server then skips only as much "
+                        "as its load needs to meet it (level 0, the base model's function, when it can afford it; "
+                        "needs a skipper and a cost calibration)")
+    s.add_argument("--ttft-ms", "--vskipper-ttft-ms", dest="ttft_ms",
+                   help="elastic depth: a time-to-first-token target in ms as well (with --tpot-ms)")
     i = sub.add_parser("inspect", help="check a skip-aware checkpoint directory")
     i.add_argument("path")
     from vskipper.training.cli import add_arguments as add_train_arguments

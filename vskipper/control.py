@@ -71,15 +71,16 @@ def parse(value, where: str = FIELD) -> RequestControl:
 
 class RequestCap(nn.Module):
     """At routed layer `rank` (0 = the skipper's shallowest) of `n_layers`: rows whose budget is
-    <= rank RUN with g = 1. Counts, per setting other than "default" (SETTINGS) and on the device,
-    the real rows, those that RUN, those that skip and those forced to RUN (whatever the router
-    said). The engine may leave the cap out of a batch in which no request has a setting, so the
-    "default" rows are what the layer's RouteCounter counted less these (vskipper.stats)."""
+    <= rank RUN with g = 1. Counts, per budget below n_layers (`counts[k]`, on the device), the real
+    rows, those that RUN, those that skip and those forced to RUN (whatever the router said);
+    `setting_counts` sums them per setting (SETTINGS). The engine may leave the cap out of a batch in
+    which no request has a budget, so the "default" rows (budget n_layers) are what the layer's
+    RouteCounter counted less these (vskipper.stats)."""
 
     def __init__(self, rank: int, n_layers: int) -> None:
         super().__init__()
         self.rank, self.n_layers = rank, n_layers
-        self.register_buffer("counts", torch.zeros(len(SETTINGS), len(COUNTS), dtype=torch.int64), persistent=False)
+        self.register_buffer("counts", torch.zeros(n_layers + 1, len(COUNTS), dtype=torch.int64), persistent=False)
 
     def forward(self, decisions, valid: torch.Tensor, budget: torch.Tensor | None):
         # decisions = sanitize_gate(...): (g [T], run [T] bool, nonfinite [T] bool); budget [T] int or None
@@ -90,11 +91,17 @@ class RequestCap(nn.Module):
         forced = budget <= self.rank  # [T]
         g = torch.where(forced, torch.ones_like(g), g)
         run = run | forced
-        setting = (budget < self.n_layers).long() + (budget <= 0).long()  # [T]: index into SETTINGS
+        k = budget.clamp(0, self.n_layers).long()  # [T]: index into counts
         rows = torch.stack([valid, run & valid, valid & ~run, forced & valid], 1).reshape(-1, len(COUNTS))
-        rows = rows & (setting > 0).reshape(-1, 1)  # "default" rows: counted by the RouteCounter
-        self.counts.index_add_(0, setting.reshape(-1), rows.long())
+        rows = rows & (k < self.n_layers).reshape(-1, 1)  # "default" rows: counted by the RouteCounter
+        self.counts.index_add_(0, k.reshape(-1), rows.long())
         return g, run, nonfinite
+
+    def setting_counts(self) -> list[list[int]]:
+        """counts per setting, in SETTINGS order ("default" left at 0: see the class docstring)."""
+        c = self.counts.tolist()
+        capped = [sum(r[i] for r in c[1:self.n_layers]) for i in range(len(COUNTS))]
+        return [[0] * len(COUNTS), capped, c[0]]
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, n_layers={self.n_layers}"

@@ -151,7 +151,9 @@ def prepare(cmd: list[str], env: dict, settings, model_path: str, on_cpu: bool, 
         return f"vskipper: serving {model_path} unchanged (no skipper), {where}"
     layers = list(skipper.layers)
     head = f"vskipper: serving {model_path} with {what} on layers {layers[0]}-{layers[-1]}, {where}"
-    if settings.execution != "auto":
+    if settings.tpot_ms is not None:
+        head += f"; elastic depth to a TPOT target of {settings.tpot_ms:g} ms"
+    if settings.execution != "auto" and settings.tpot_ms is None:  # (elastic depth prices levels by the calibration)
         return f"{head}; every routed layer runs its {settings.execution} body (--execution)"
     device = "cpu" if on_cpu else "cuda"
     dtype = flag_value(cmd, "--dtype", "auto")
@@ -164,7 +166,8 @@ def prepare(cmd: list[str], env: dict, settings, model_path: str, on_cpu: bool, 
         if decode is None:
             return (f"{head}; NOT CALIBRATED for {cost.device_name(device)}, so every routed layer runs dense-masked "
                     f"(the skipper's answers, none of its speed): drop --no-calibrate, or run `vskipper calibrate "
-                    f"--model {model_path}{f' --threads {threads}' if on_cpu else ''}`")
+                    f"--model {model_path}{f' --threads {threads}' if on_cpu else ''}`"
+                    + ("; elastic depth stays at level 0 without it" if settings.tpot_ms is not None else ""))
         how = "reused"
     else:
         decode, prefill, how = ensure_calibration(model_path, device, dtype, threads or 0, max_batch, log)

@@ -25,7 +25,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from transformers import AutoConfig
 
-    from vskipper.integrations.sglang import requests
+    from vskipper.integrations.sglang import elastic, requests
     from vskipper.integrations.sglang.models import config_classes, model_classes
 
     for cls in model_classes():
@@ -42,6 +42,7 @@ def register() -> None:
     HookRegistry.register(BATCH_INIT, requests.after_forward_batch_init, HookType.AFTER)
     for target in OPENAI_HANDLERS:
         HookRegistry.register(target, requests.openai_handle_request, HookType.AROUND)
+    elastic.register()
     _registered = True
 
 

@@ -92,6 +92,7 @@ class BatchBudgets:
         self.n_layers = n_layers
         self.rows = torch.full((rows,), n_layers, dtype=torch.int32, device=device)
         self.active = False  # does the batch being run have a request with a setting (host side)
+        self.levels: tuple[int, ...] = ()  # elastic depth's budget per level (integrations/sglang/elastic.py)
         self._budgets = weakref.WeakKeyDictionary()  # request -> its budget, parsed once per request
 
     def budget(self, req) -> int:
@@ -99,7 +100,13 @@ class BatchBudgets:
         if b is None:
             custom = req.sampling_params.custom_params
             value = custom.get(FIELD) if isinstance(custom, dict) else None
-            b = self._budgets[req] = parse(value, f"custom_params.{FIELD}").budget(self.n_layers)
+            b = parse(value, f"custom_params.{FIELD}").budget(self.n_layers)
+            if self.levels:  # elastic depth: the stricter of the field's budget and the level's
+                from vskipper.integrations.sglang.elastic import level_of
+
+                level = level_of(req.extra_key)
+                b = b if level is None else min(b, self.levels[level])
+            self._budgets[req] = b
         return b
 
     def fill(self, forward_batch, batch) -> None:

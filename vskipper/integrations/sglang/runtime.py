@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 
 import torch
@@ -37,6 +38,10 @@ def transform_loaded(runner) -> None:
     elif settings.skipper_spec:
         skipper = parse_skipper(settings.skipper_spec)
     else:
+        if settings.tpot_ms is not None:
+            raise ValueError(f"VSKIPPER_TPOT_MS={settings.tpot_ms:g} sets a latency target for elastic depth, which "
+                             f"needs a skipper; this model has none (set VSKIPPER_SKIPPER or serve a skip-aware "
+                             f"checkpoint, or unset VSKIPPER_TPOT_MS)")
         return  # a stock model and no skipper: served unchanged
     if settings.threshold is not None:
         from vskipper.skippers.flexidepth import FlexiDepth
@@ -58,6 +63,10 @@ def transform_loaded(runner) -> None:
                 type(skipper).__name__, settings.skipper_spec or "the checkpoint's own", list(skipper.layers),
                 settings.config(), cost_state)
     logger.info("%s", vskipper.explain(model))
+    if settings.target() is not None:
+        from vskipper.integrations.sglang import elastic
+
+        elastic.install(runner, model, settings.target(), budgets)
     if settings.stats_interval:
         install_stats_logger(runner, settings.stats_interval)
     if settings.route_digest:
@@ -78,10 +87,22 @@ def setting_totals(by: dict[str, dict[int, dict[str, int]]]) -> dict[str, dict[s
     return {s: {k: sum(c[k] for c in layers.values()) for k in COUNTS} for s, layers in by.items()}
 
 
+def level_tokens(by: dict[str, dict[int, dict[str, int]]]) -> list[int]:
+    """Tokens per elastic level (vskipper.stats(model, by_setting=True)'s "level j" at the shallowest
+    routed layer, which every token passes once)."""
+    out = []
+    for j in range(len(by)):
+        layers = by.get(f"level {j}")
+        if layers is None:
+            break
+        out.append(layers[min(layers)]["tokens"] if layers else 0)
+    return out
+
+
 def format_settings(by: dict[str, dict[int, dict[str, int]]]) -> str:
     """Skip ratio and rows forced to RUN per request setting (vskipper/control.py), settings seen only."""
     parts = [f"{s} {t['project'] / t['tokens']:.3f} over {t['tokens']} (forced to run {t['forced']})"
-             for s, t in setting_totals(by).items() if t["tokens"]]
+             for s, t in setting_totals(by).items() if t["tokens"] and not s.startswith("level ")]
     return "by request setting: " + (", ".join(parts) if parts else "none")
 
 
@@ -102,6 +123,34 @@ class PrometheusExport:
                                   "Routed-layer tokens by their request's setting and route (run / project / forced)",
                                   ["setting", "route"])
         self.last: dict[tuple, int] = {}
+        self.gauges = None
+
+    def update_elastic(self, e, tokens: list[int], now: float) -> None:
+        """Elastic depth (integrations/sglang/elastic.py): vskipper_elastic_level, _target_tpot_ms and
+        _p90_tpot_ms (gauges), vskipper_elastic_seconds_total{level} and vskipper_elastic_tokens_total{level}
+        (tokens that went through the routed layers with that level's cap)."""
+        from prometheus_client import Counter, Gauge
+
+        if self.gauges is None:
+            gauge = lambda name, doc: Gauge(f"vskipper_elastic_{name}", doc, multiprocess_mode="mostrecent")  # noqa: E731
+            self.gauges = {name: gauge(name, doc) for name, doc in (
+                ("level", "Elastic depth: the level requests are admitted at now (0 = the base model's function)"),
+                ("target_tpot_ms", "Elastic depth: the TPOT target (ms)"),
+                ("p90_tpot_ms", "Elastic depth: p90 of the recent decode step times (ms)"))}
+            self.seconds = Counter("vskipper_elastic_seconds", "Elastic depth: seconds spent at each level", ["level"])
+            self.tokens = Counter("vskipper_elastic_tokens", "Elastic depth: tokens served with each level's cap",
+                                  ["level"])
+        c = e.controller
+        self.gauges["level"].set(c.level)
+        self.gauges["target_tpot_ms"].set(c.target.tpot_ms)
+        if c.observed() is not None:
+            self.gauges["p90_tpot_ms"].set(c.observed())
+        for j, (sec, n) in enumerate(zip(c.time_per_level(now), tokens)):
+            last = self.last.get(("elastic_s", j), 0.0)
+            if sec > last:
+                self.seconds.labels(level=str(j)).inc(sec - last)
+            self.last[("elastic_s", j)] = sec
+            self._inc(self.tokens, ("elastic_tokens", j), n, level=str(j))
 
     def _inc(self, counter, key: tuple, value: int, **labels) -> None:
         delta = value - self.last.get(key, 0)
@@ -114,6 +163,8 @@ class PrometheusExport:
             for route in ("run", "project", "nonfinite"):
                 self._inc(self.counter, (layer, route), s[route], layer=str(layer), route=route)
         for setting, t in setting_totals(by or {}).items():
+            if setting.startswith("level "):
+                continue  # elastic depth's own export (update_elastic)
             for route in ("run", "project", "forced"):
                 self._inc(self.by_setting, (setting, route), t[route], setting=setting, route=route)
 
@@ -154,10 +205,18 @@ class StatsReporter:
             st, by = vskipper.stats(self.model), vskipper.stats(self.model, by_setting=True)
             bodies = chosen_bodies(self.model)
             chosen = (f"; auto ran {', '.join(f'{b} {n}' for b, n in bodies.items())} layer-steps" if bodies else "")
-            logger.info("vskipper: after %d decode steps: %s; %s%s", self.steps, format_stats(st), format_settings(by),
-                        chosen)
+            from vskipper.integrations.sglang.elastic import current
+
+            e, now = current(), time.monotonic()
+            tokens = level_tokens(by)
+            elastic = (f"; {e.controller.describe(now)}; tokens per level "
+                       + " ".join(f"{j}:{n}" for j, n in enumerate(tokens) if n) if e is not None else "")
+            logger.info("vskipper: after %d decode steps: %s; %s%s%s", self.steps, format_stats(st),
+                        format_settings(by), chosen, elastic)
             if self.export is not None:
                 self.export.update(st, by)
+                if e is not None:
+                    self.export.update_elastic(e, tokens, now)
 
 
 _REPORTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> its StatsReporter

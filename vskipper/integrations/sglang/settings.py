@@ -14,6 +14,10 @@ VSKIPPER_THRESHOLD       the FlexiDepth router's threshold, in [0, 1] (unset: th
 VSKIPPER_AUTOTUNE        1 | 0: Triton launches use this GPU's tuned configs | their defaults (default 1)
 VSKIPPER_ROUTE_DIGEST    a directory: each rank appends a digest of every routed layer's decisions
                          there (a debugging and test aid: it reads the decisions on the host)
+VSKIPPER_TPOT_MS         a latency target (ms per output token): turns on elastic depth
+                         (vskipper/elastic.py); needs a skipper                    (unset: off)
+VSKIPPER_TTFT_MS         with VSKIPPER_TPOT_MS: a time-to-first-token target as well (ms)
+VSKIPPER_CONTROL_PERIOD_MS  how often elastic depth chooses its level                (default 1000)
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import os
 from dataclasses import dataclass
 
 from vskipper.config import EXECUTIONS, IMPLS, Config
+from vskipper.elastic import Target, parse_ms
 from vskipper.skippers import parse_skipper
 
 
@@ -41,6 +46,9 @@ class Settings:
     route_digest: str | None = None
     tuned_kernels: bool = True
     threshold: float | None = None
+    tpot_ms: float | None = None
+    ttft_ms: float | None = None
+    control_period_ms: float = 1000.0
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -63,8 +71,17 @@ class Settings:
         interval = env.get("VSKIPPER_STATS_INTERVAL", "0")
         if not interval.isdigit():
             raise ValueError(f"VSKIPPER_STATS_INTERVAL={interval!r} must be an integer >= 0")
+        tpot, ttft = parse_ms("VSKIPPER_TPOT_MS", env.get("VSKIPPER_TPOT_MS")), parse_ms(
+            "VSKIPPER_TTFT_MS", env.get("VSKIPPER_TTFT_MS"))
+        if ttft is not None and tpot is None:
+            raise ValueError("VSKIPPER_TTFT_MS is a target of elastic depth, which VSKIPPER_TPOT_MS turns on; "
+                             "set VSKIPPER_TPOT_MS too")
+        period = parse_ms("VSKIPPER_CONTROL_PERIOD_MS", env.get("VSKIPPER_CONTROL_PERIOD_MS")) or 1000.0
         return cls(
             skipper_spec=spec,
+            tpot_ms=tpot,
+            ttft_ms=ttft,
+            control_period_ms=period,
             execution=_choice("VSKIPPER_EXECUTION", env.get("VSKIPPER_EXECUTION", "auto"), EXECUTIONS),
             impl=_choice("VSKIPPER_IMPL", env.get("VSKIPPER_IMPL", "auto"), IMPLS),
             static_shapes=None if static == "auto" else static == "1",
@@ -79,6 +96,12 @@ class Settings:
         return Config(execution=self.execution, impl=self.impl, static_shapes=self.static_shapes,
                       check_sync=self.check_sync, tuned_kernels=self.tuned_kernels)
 
+    def target(self) -> Target | None:
+        """Elastic depth's latency target, or None when it is off."""
+        if self.tpot_ms is None:
+            return None
+        return Target(self.tpot_ms, self.ttft_ms, self.control_period_ms / 1e3)
+
     def to_env(self) -> dict[str, str]:
         env = {"VSKIPPER_EXECUTION": self.execution, "VSKIPPER_IMPL": self.impl,
                "VSKIPPER_STATIC_SHAPES": {None: "auto", True: "1", False: "0"}[self.static_shapes],
@@ -91,4 +114,9 @@ class Settings:
             env["VSKIPPER_ROUTE_DIGEST"] = self.route_digest
         if self.threshold is not None:
             env["VSKIPPER_THRESHOLD"] = repr(self.threshold)
+        if self.tpot_ms is not None:
+            env["VSKIPPER_TPOT_MS"] = repr(self.tpot_ms)
+            env["VSKIPPER_CONTROL_PERIOD_MS"] = repr(self.control_period_ms)
+        if self.ttft_ms is not None:
+            env["VSKIPPER_TTFT_MS"] = repr(self.ttft_ms)
         return env

@@ -1,0 +1,221 @@
+"""Elastic depth (vskipper/elastic.py, integrations/sglang/elastic.py): the ladder, the rule on a fake
+clock, settings refused naming the flag, and, in real SGLang 0.5.23 on CPU, one server under a tight
+target: idle at level 0 with upstream's greedy tokens, rising under a queue, a request keeping the level it
+was admitted at, the stricter of request field and level winning, and falling again once the load goes."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+from vskipper.elastic import DOWN, LADDER, MIN_SAMPLES, Controller, StepModel, Target, ladder
+
+from tiny import synthetic_calibration
+
+L = 4  # routed layers of the test skipper
+
+
+def test_ladder_runs_from_the_base_model_to_the_skipper_alone():
+    assert LADDER[0] == 0.0 and LADDER[-1] == 1.0
+    assert ladder(4) == (0, 1, 2, 3, 4)
+    assert ladder(15) == (0, 3, 7, 11, 15)
+    assert ladder(1) == (0, 1)
+
+
+def step_model():
+    # routed body only, T >= 4: a routed layer costs (0.3 + 0.8 f) T ms, so skipping more is faster
+    return StepModel(synthetic_calibration(), ("routed",), n_layers=6, n_routed=L, run_fraction=0.5)
+
+
+def test_step_model_prices_deeper_caps_as_faster_and_mixes_rows():
+    m = step_model()
+    times = [m([k] * 8) for k in ladder(L)]
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
+    assert m([0] * 4 + [4] * 4) == pytest.approx((m([0] * 8) + m([4] * 8)) / 2)  # linear in f on this table
+
+
+def run_steps(c: Controller, now: float, n: int, ms: float) -> float:
+    """n decode step times of `ms` after a pause (a pause is not a step time)."""
+    c.idle()
+    c.decode_step(now)
+    for _ in range(n):
+        now += ms / 1e3
+        c.decode_step(now)
+    return now
+
+
+def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
+    m = step_model()
+    c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
+    assert c.admit() == 0 and c.reason == "measuring"
+    # at level 0, 8 running and 8 queued (the server runs 8 at once): steps at 12 ms miss 10 ms
+    now = run_steps(c, 0.0, MIN_SAMPLES - 1, 12.0)
+    assert not c.tick(now + 1, [0] * 8, 8, 8) and c.reason == "measuring"  # too few step times yet
+    now = run_steps(c, now + 1, 2, 12.0)
+    assert c.tick(now + 1, [0] * 8, 8, 8)
+    want = next(j for j, k in enumerate(ladder(L)) if 12.0 * m([k] * 8) / m([0] * 8) <= 10.0)
+    assert c.level == want > 0 and "over target" in c.reason, c.reason  # the lowest level predicted to fit
+    # the new level's steps just under the target: inside the hysteresis band, it holds
+    now = run_steps(c, now + 1, MIN_SAMPLES, 9.9)
+    assert not c.tick(now + 1, [ladder(L)[want]] * 8, 8, 8) and c.level == want and "holding" in c.reason
+    # the load goes down to 2 running: level 0 is predicted well under the target, so it falls
+    now = run_steps(c, now + 1, MIN_SAMPLES, 3.0)
+    assert c.tick(now + 1, [ladder(L)[want]] * 2, 0, 8) and c.level == 0, c.reason
+    assert f"{DOWN:g} x target" in c.reason
+    # idle: level 0 at once; time per level adds up
+    c2 = Controller(Target(tpot_ms=1e-3, period_s=0.5), ladder(L), m, now=0.0)
+    now = run_steps(c2, 0.0, MIN_SAMPLES + 1, 5.0)
+    assert c2.tick(now + 1, [0] * 8, 4, 8) and c2.level == L  # nothing fits: the fastest level
+    assert c2.tick(now + 2, [], 0, 8) and c2.level == 0 and c2.reason == "idle"
+    assert sum(c2.time_per_level(now + 3)) == pytest.approx(now + 3)
+
+
+def test_rule_ttft_target_raises_at_least_one_level():
+    m = step_model()
+    c = Controller(Target(tpot_ms=100.0, ttft_ms=50.0, period_s=0.1), ladder(L), m, now=0.0)
+    now = run_steps(c, 0.0, MIN_SAMPLES + 1, 2.0)
+    c.first_token(0.2)  # 200 ms
+    assert c.tick(now + 1, [0] * 4, 20, 8) and c.level == 1 and "TTFT" in c.reason
+
+
+def test_without_a_calibration_it_stays_at_level_0_and_says_so():
+    c = Controller(Target(tpot_ms=1e-3), ladder(L), None, now=0.0)
+    now = run_steps(c, 0.0, 20, 50.0)
+    assert not c.tick(now + 5, [0] * 8, 100, 8) and c.level == 0
+    assert "no cost calibration" in c.reason and "no cost calibration" in c.describe(now)
+
+
+# --- settings ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("env, message", [
+    ({"VSKIPPER_TPOT_MS": "-5"}, r"VSKIPPER_TPOT_MS='-5' must be a positive number of milliseconds"),
+    ({"VSKIPPER_TPOT_MS": "fast"}, r"VSKIPPER_TPOT_MS='fast' must be a positive number"),
+    ({"VSKIPPER_TPOT_MS": "0"}, r"VSKIPPER_TPOT_MS='0' must be a positive number"),
+    ({"VSKIPPER_TPOT_MS": "nan"}, r"VSKIPPER_TPOT_MS='nan' must be a positive number"),
+    ({"VSKIPPER_TPOT_MS": "40", "VSKIPPER_TTFT_MS": "-1"}, r"VSKIPPER_TTFT_MS='-1' must be a positive"),
+    ({"VSKIPPER_TTFT_MS": "100"}, r"VSKIPPER_TTFT_MS is a target of elastic depth, which VSKIPPER_TPOT_MS turns on"),
+    ({"VSKIPPER_TPOT_MS": "40", "VSKIPPER_CONTROL_PERIOD_MS": "x"}, r"VSKIPPER_CONTROL_PERIOD_MS='x'"),
+])
+def test_bad_environment_settings_name_the_variable(env, message):
+    from vskipper.integrations.sglang.settings import Settings
+
+    with pytest.raises(ValueError, match=message):
+        Settings.from_env(env)
+
+
+def test_good_environment_settings_make_a_target():
+    from vskipper.integrations.sglang.settings import Settings
+
+    s = Settings.from_env({"VSKIPPER_TPOT_MS": "40", "VSKIPPER_TTFT_MS": "500", "VSKIPPER_CONTROL_PERIOD_MS": "250"})
+    assert s.target() == Target(40.0, 500.0, 0.25)
+    assert Settings.from_env({}).target() is None
+    assert Settings.from_env(s.to_env()).target() == s.target()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tpot-ms", "-5"], r"--tpot-ms='-5' must be a positive number of milliseconds"),
+    (["--vskipper-tpot-ms", "abc"], r"--tpot-ms='abc' must be a positive number"),
+    (["--tpot-ms", "40", "--ttft-ms", "soon"], r"--ttft-ms='soon' must be a positive number"),
+    (["--ttft-ms", "100"], r"--ttft-ms is a target of elastic depth, which --tpot-ms turns on"),
+    (["--tpot-ms", "40"], r"--tpot-ms sets a latency target for elastic depth, which needs a skipper"),
+    (["--tpot-ms", "40", "--skipper", "none"], r"--tpot-ms sets a latency target for elastic depth, which needs"),
+])
+def test_serve_refuses_bad_targets_naming_the_flag(tmp_path, monkeypatch, capsys, argv, message):
+    from vskipper.cli import main
+
+    from tiny import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "stock", safe_serialization=True)
+    for k in ("VSKIPPER_SKIPPER", "VSKIPPER_TPOT_MS", "VSKIPPER_TTFT_MS"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model-path", str(tmp_path / "stock"), *argv])
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+# --- real SGLang on CPU ------------------------------------------------------------------------
+NEW = 10
+
+
+def sampling(n, setting=None) -> dict:
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    if setting is not None:
+        sp["custom_params"] = {"vskipper": setting}
+    return sp
+
+
+@pytest.mark.sglang
+def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_path, capfd):
+    """A tiny skip-aware model, 4 routed layers, the routed body priced by a synthetic calibration, at
+    most 4 requests running, and a TPOT target no step can meet (1 us). Idle, level 0: greedy tokens
+    are upstream's. A long request admitted at level 0, then a queue: the level rises to the top; requests
+    admitted then get the skipper alone (no field), upstream's tokens (skip false) or the reference under
+    1 of 4 layers (max_skip 0.25, stricter than the level); the long request keeps level 0 to its last
+    token. The load goes: level 0 again, upstream's tokens again."""
+    from vskipper.models.hf_loader import save_checkpoint
+    from vskipper.reference import reference_generate
+
+    from sglang_util import calibrated_cache, engine
+    from tiny import VOCAB, flexidepth_for, tiny_llama
+
+    base = tiny_llama()
+    sk = flexidepth_for(base, [1, 3, 4, 5], gate="soft")
+    path = save_checkpoint(tmp_path / "ckpt", base, sk)
+    base.save_pretrained(tmp_path / "stock", safe_serialization=True)
+    g = torch.Generator().manual_seed(11)
+    probes = [torch.randint(1, VOCAB, (n,), generator=g) for n in (6, 9, 4, 13)]
+    long = torch.randint(1, VOCAB, (5,), generator=g)
+    wave = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in [3, 7, 5, 9] * 4]
+    cal = calibrated_cache(tmp_path, base)
+    with engine(tmp_path / "stock") as eng:
+        outs = eng.generate(input_ids=[p.tolist() for p in probes + [long]],
+                            sampling_params=[sampling(NEW)] * 4 + [sampling(60)])
+        upstream = [o["output_ids"] for o in outs]
+    env = dict(VSKIPPER_EXECUTION="routed", VSKIPPER_TPOT_MS="0.001", VSKIPPER_CONTROL_PERIOD_MS="1",
+               VSKIPPER_STATS_INTERVAL="4", **cal)
+    with engine(path, log_level="info", engine_args={"max_running_requests": 4}, **env) as eng:
+        idle = [o["output_ids"] for o in eng.generate(input_ids=[p.tolist() for p in probes],
+                                                      sampling_params=[sampling(NEW)] * 4)]
+        log = [capfd.readouterr().err]
+
+        async def under_load():
+            kept = asyncio.ensure_future(eng.async_generate(input_ids=long.tolist(), sampling_params=sampling(60)))
+            await asyncio.sleep(0.05)
+            load = asyncio.ensure_future(eng.async_generate(input_ids=wave, sampling_params=sampling(40)))
+            during = []
+            for _ in range(600):  # until the level has risen (at most 30 s)
+                await asyncio.sleep(0.05)
+                during.append(capfd.readouterr().err)
+                if "elastic depth level 0 -> 4" in "".join(during):
+                    break
+            log.extend(during)
+            settings = [None, {"skip": False}, {"max_skip": 0.25}, None]
+            probed = await eng.async_generate(input_ids=[p.tolist() for p in probes],
+                                              sampling_params=[sampling(NEW, s) for s in settings])
+            return (await kept)["output_ids"], [o["output_ids"] for o in probed], await load
+
+        kept, loaded, _ = eng.loop.run_until_complete(under_load())
+        log.append(capfd.readouterr().err)
+        after = eng.generate(input_ids=probes[0].tolist(), sampling_params=sampling(NEW))["output_ids"]
+        eng.generate(input_ids=probes[1].tolist(), sampling_params=sampling(NEW))  # a stats line after the fall
+        log.append(capfd.readouterr().err)
+    err = "".join(log)
+    assert "elastic depth on: target TPOT 0.001 ms" in err, err[-3000:]
+    assert idle == upstream[:4], "idle server: level 0 is the base model's function"
+    assert re.search(r"elastic depth level 0 -> 4: predicted TPOT [\d.]+ ms at level 0 over target", err), err[-3000:]
+    assert kept == upstream[4], "the request admitted at level 0 changed depth under the load"
+    skipped = reference_generate(base, sk, probes[0], NEW)[0][len(probes[0]):].tolist()
+    levels = "\n".join(x for x in err.splitlines() if "elastic depth level" in x)
+    assert loaded[0] == skipped != upstream[0], f"top level: the skipper alone {loaded} {skipped} {upstream}\n{levels}"
+    assert loaded[3] == reference_generate(base, sk, probes[3], NEW)[0][len(probes[3]):].tolist()
+    assert loaded[1] == upstream[1], "skip false under the top level: upstream's tokens"
+    capped = reference_generate(base, sk, probes[2], NEW, budget=1)[0][len(probes[2]):].tolist()
+    assert loaded[2] == capped, "max_skip 0.25 is stricter than the top level"
+    assert re.search(r"elastic depth level 4 -> 0: idle", err), err[-3000:]
+    assert after == upstream[0], "after the load: level 0 again"
+    line = [x for x in err.splitlines() if "elastic level" in x][-1]
+    assert re.search(r"elastic level 0/4 .*target TPOT 0.001 ms; observed p90 TPOT [\d.]+ ms; time per level 0:", line)
+    tokens = dict(re.findall(r"(\d+):(\d+)", line.split("tokens per level")[1]))
+    assert int(tokens.get("0", 0)) > 0 and int(tokens.get("4", 0)) > 0, line

@@ -1,0 +1,192 @@
+"""Elastic depth: under a latency target, a server skips only as much as its load requires.
+
+A ladder of caps on the skipper: level j caps every request it admits at max_skip LADDER[j] (a budget
+of k_j of the L routed layers, vskipper/control.py), so level 0 is the base model's function and the
+top level is the skipper alone. A request's level is fixed when the server admits it and kept to its
+last token; its own `vskipper` field still caps it (the stricter wins). The level reaches the routed
+layers as the request's budget, through the same per-row budget buffer as the request field.
+
+The rule, once per control period (`Target.period_s`), from what the scheduler knows:
+    n      = running + queued requests;  B = min(n, the most the server runs at once)
+    p90    = the 90th percentile of the decode step times seen since the last decision (a step time
+             is the time between two decode steps: what a running stream's TPOT is)
+    model  = the calibration's prediction of one decode step for a batch of per-row budgets (StepModel)
+    est_j  = p90 * model([k_j] * B) / model(budgets of the running requests)
+             (the calibration says how the step scales; the measured step says what it costs here)
+    no calibration                    -> level 0 (nothing to predict with; said once in the log)
+    n == 0                            -> level 0 (idle)
+    fewer than MIN_SAMPLES step times -> keep (measuring)
+    over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot (and, for
+          TTFT, at least c + 1); if none: the level with the least est_j (the top, unless it does not help)
+    under: some level below c has est_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft)
+          -> the lowest such level (the gap between 1 and DOWN is the hysteresis)
+    else keep.
+Plain host arithmetic on a few numbers per period; nothing runs on the device."""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from vskipper.control import RequestControl
+
+LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
+MIN_SAMPLES = 4  # step times needed at a level before the rule trusts what it measures
+WINDOW = 64  # step times (and first-token times) kept
+DOWN = 0.85  # a lower level must be predicted within this share of the target
+
+
+def parse_ms(name: str, value) -> float | None:
+    """A latency target in milliseconds from a setting (None or "" = unset); ValueError naming `name`."""
+    if value is None or value == "":
+        return None
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = math.nan
+    if not (math.isfinite(ms) and ms > 0):
+        raise ValueError(f"{name}={value!r} must be a positive number of milliseconds")
+    return ms
+
+
+@dataclass(frozen=True)
+class Target:
+    tpot_ms: float
+    ttft_ms: float | None = None
+    period_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("tpot_ms", "ttft_ms", "period_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"Target.{name} must be a positive number, got {v!r}")
+
+
+def ladder(n_layers: int) -> tuple[int, ...]:
+    """Budgets (routed layers a token may skip) of the levels, lowest first, duplicates dropped."""
+    return tuple(sorted({RequestControl(m).budget(n_layers) for m in LADDER}))
+
+
+def p90(xs) -> float:
+    s = sorted(xs)
+    return s[max(0, math.ceil(0.9 * len(s)) - 1)]
+
+
+class StepModel:
+    """One decode step of T rows, in ms, as the cost calibration (vskipper/cost.py) prices it: each
+    routed layer (rank r of L) at the RUN fraction its rows give it (a row whose budget is <= r RUNs,
+    the others RUN at the skipper's `run_fraction`), in the cheapest of `bodies`, plus the unrouted
+    layers as dense ones. Attention over long contexts, lm_head and the host are not in it; the rule
+    takes them from the measured step."""
+
+    def __init__(self, calibration, bodies: tuple[str, ...], n_layers: int, n_routed: int,
+                 run_fraction: float | None) -> None:
+        self.cal, self.bodies = calibration, tuple(b for b in bodies if b in calibration.bodies()) or ("dense",)
+        self.n_layers, self.n_routed = n_layers, n_routed
+        self.f = 0.5 if run_fraction is None else run_fraction
+
+    def __call__(self, budgets) -> float:
+        T = max(1, len(budgets))
+        ms = (self.n_layers - self.n_routed) * self.cal.predict("dense", T, 1.0)
+        for r in range(self.n_routed):
+            f = sum(1.0 if b <= r else self.f for b in budgets) / T if budgets else 1.0
+            ms += min(self.cal.predict(b, T, f) for b in self.bodies)
+        return ms
+
+
+class Controller:
+    """The rule above. `admit()` is the level for a request arriving now; the scheduler calls
+    `decode_step`, `first_token`, `idle` and `tick` as things happen (times in seconds)."""
+
+    def __init__(self, target: Target, budgets: tuple[int, ...], model: StepModel | None, now: float) -> None:
+        self.target, self.budgets, self.model = target, budgets, model
+        self.top = len(budgets) - 1
+        self.level = 0
+        self.reason = "measuring" if model is not None else "no cost calibration: level 0"
+        self.steps: deque[float] = deque(maxlen=WINDOW)  # ms, since the last decision
+        self.recent: deque[float] = deque(maxlen=WINDOW)  # ms, whatever the level (reported)
+        self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
+        self.last_step: float | None = None
+        self.last_tick = self.since = now
+        self.seconds = [0.0] * len(budgets)  # time spent at each level
+
+    def admit(self) -> int:
+        return self.level
+
+    def decode_step(self, now: float) -> None:
+        if self.last_step is not None:
+            ms = (now - self.last_step) * 1e3
+            self.steps.append(ms)
+            self.recent.append(ms)
+        self.last_step = now
+
+    def first_token(self, seconds: float) -> None:
+        self.ttfts.append(seconds * 1e3)
+
+    def idle(self) -> None:
+        self.last_step = None  # the next step time starts with the next decode step
+
+    def _set(self, level: int, reason: str, now: float) -> bool:
+        self.reason = reason
+        if level == self.level:
+            return False
+        self.seconds[self.level] += now - self.since
+        self.level, self.since = level, now
+        self.steps.clear()
+        self.ttfts.clear()
+        return True
+
+    def observed(self) -> float | None:
+        return p90(self.recent) if self.recent else None
+
+    def tick(self, now: float, running: list[int], waiting: int, max_running: int) -> bool:
+        """running: budgets of the running requests. Returns whether the level changed."""
+        n = len(running) + waiting
+        if self.model is None:
+            return False
+        if n == 0:
+            return self._set(0, "idle", now)
+        if now - self.last_tick < self.target.period_s:
+            return False
+        self.last_tick = now
+        if len(self.steps) < MIN_SAMPLES:
+            return self._set(self.level, "measuring", now)
+        t, c = self.target, self.level
+        seen = p90(self.steps)
+        self.steps.clear()
+        B = max(1, min(n, max_running or n))
+        scale = seen / self.model(running or [self.budgets[c]])
+        est = [scale * self.model([k] * B) for k in self.budgets]
+        ttft = p90(self.ttfts) if self.ttfts else None
+        ttft_over = t.ttft_ms is not None and ttft is not None and ttft > t.ttft_ms
+        ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
+        load = f"p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued"
+        if est[c] > t.tpot_ms or ttft_over:
+            lo = c + 1 if ttft_over else c
+            fits = [j for j in range(lo, self.top + 1) if est[j] <= t.tpot_ms]
+            if fits:
+                j = fits[0]
+            else:
+                j = min(range(self.top + 1), key=lambda i: (est[i], i))
+                j = max(j, min(lo, self.top))
+            why = (f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms" if ttft_over else
+                   f"predicted TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms")
+            return self._set(j, f"{why} ({load})", now)
+        lower = [j for j in range(c) if est[j] <= DOWN * t.tpot_ms]
+        if lower and ttft_under:
+            return self._set(lower[0], f"level {lower[0]} predicted at {est[lower[0]]:.1f} ms, within "
+                                       f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
+        return self._set(c, f"holding ({load})", now)
+
+    def time_per_level(self, now: float) -> list[float]:
+        out = list(self.seconds)
+        out[self.level] += now - self.since
+        return out
+
+    def describe(self, now: float) -> str:
+        seen = self.observed()
+        spent = " ".join(f"{j}:{s:.1f}s" for j, s in enumerate(self.time_per_level(now)) if s > 0)
+        return (f"elastic level {self.level}/{self.top} (skips at most {self.budgets[self.level]} of "
+                f"{self.budgets[-1]} routed layers): {self.reason}; target TPOT {self.target.tpot_ms:g} ms"
+                + (f", TTFT {self.target.ttft_ms:g} ms" if self.target.ttft_ms else "")
+                + (f"; observed p90 TPOT {seen:.1f} ms" if seen is not None else "") + f"; time per level {spent}")

@@ -1,0 +1,157 @@
+"""Elastic depth inside SGLang's scheduler (the rule: vskipper/elastic.py). On when VSKIPPER_TPOT_MS is
+set; one controller per scheduler process, made when the model loads.
+
+Where it meets SGLang (hooks, no SGLang file patched):
+    SchedulerRequestReceiver._broadcast_reqs_across_ranks  BEFORE: on the rank that received the requests (rank 0
+        of a tensor-parallel group, each data-parallel replica's own), each new request's extra_key gets
+        `vskipper:level=j`, the level it is admitted at. The requests then travel to the other ranks in
+        SGLang's own broadcast on the CPU group, so every rank applies the same level and no collective
+        is added; under data parallelism each replica stamps its own. The extra_key is also the radix
+        cache's namespace: a request never reads K/V computed at another level.
+    Scheduler._create_generation_req  AFTER: the request's arrival time (for TTFT); on the other ranks
+        the level it carries is the current level (reported, never decided there).
+    Scheduler.process_batch_result    AFTER: a decode step's time; first tokens; the control tick.
+    Scheduler.on_idle                 AFTER: no batch ran (the next step time starts afresh; idle -> level 0).
+A request's budget is the stricter of its field's and its level's (requests.BatchBudgets.budget), and
+reaches the routed layers through the per-row budget buffer: nothing new inside captured graphs."""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+from vskipper import cost
+from vskipper.elastic import LADDER, Controller, StepModel, ladder
+
+logger = logging.getLogger("vskipper")
+
+RECEIVE = ("sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"
+           "._broadcast_reqs_across_ranks")
+NEW_REQ = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
+BATCH_DONE = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+KEY = "vskipper:level="
+
+
+class Elastic:
+    """The process's controller and what it needs from the model runner."""
+
+    def __init__(self, controller: Controller, budgets) -> None:
+        self.controller, self.budgets = controller, budgets
+        self.leader = True  # this rank receives the requests and decides (False: it follows the stamps)
+        self.arrivals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> arrival time
+
+
+_ELASTIC: Elastic | None = None
+
+
+def current() -> Elastic | None:
+    return _ELASTIC
+
+
+def level_of(extra_key: str | None) -> int | None:
+    """The level a request was admitted at, from its extra_key (the last stamp: ours is appended last)."""
+    if not extra_key or KEY not in extra_key:
+        return None
+    return int(extra_key.rsplit(KEY, 1)[1].split("|", 1)[0])
+
+
+def install(runner, model, target, budgets) -> None:
+    """Make this process's controller: the ladder over the skipper's routed layers, the calibration's
+    step model (none for this device: the controller stays at level 0 and says so)."""
+    global _ELASTIC
+    st = model.vskipper
+    L = len(st.skipper.layers)
+    levels = ladder(L)
+    budgets.levels = st.levels = levels
+    p = next(model.parameters())
+    c = model.config
+    inter = getattr(c, "original_intermediate_size", None) or c.intermediate_size
+    cal = st.plan.decode or cost.load(p.device, c.hidden_size, inter, cost.dtype_name(p.dtype))
+    execution = st.config.execution
+    bodies = cost.Calibration.bodies(cal) if cal is not None and execution == "auto" else (execution,)
+    step = None if cal is None else StepModel(cal, bodies, len(model.model.layers), L, st.skipper.expected_run_fraction)
+    _ELASTIC = Elastic(Controller(target, levels, step, time.monotonic()), budgets)
+    caps = ", ".join(f"{j}:{m:g}" for j, m in enumerate(LADDER[:len(levels)]))
+    logger.info("vskipper: elastic depth on: target TPOT %g ms%s, control period %g s; levels (max_skip) %s, "
+                "budgets %s of %d routed layers; starts at level 0 (the base model's function)%s", target.tpot_ms,
+                f", TTFT {target.ttft_ms:g} ms" if target.ttft_ms else "", target.period_s, caps, list(levels), L,
+                "" if cal is not None else
+                "; NO cost calibration for this device, so it stays at level 0: run `vskipper calibrate`")
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(RECEIVE, stamp, HookType.BEFORE)
+    HookRegistry.register(NEW_REQ, on_new_request, HookType.AFTER)
+    HookRegistry.register(BATCH_DONE, after_batch, HookType.AFTER)
+    HookRegistry.register(IDLE, after_idle, HookType.AFTER)
+
+
+def _generate_reqs(recv_reqs):
+    from sglang.srt.managers.io_struct import BatchTokenizedGenerateReqInput, TokenizedGenerateReqInput
+
+    for r in recv_reqs:
+        if isinstance(r, TokenizedGenerateReqInput):
+            yield r
+        elif isinstance(r, BatchTokenizedGenerateReqInput):
+            yield from r.batch
+
+
+def stamp(receiver, recv_reqs, *args, **kwargs):
+    e = _ELASTIC
+    if e is None:
+        return None
+    e.leader = recv_reqs is not None
+    if recv_reqs:
+        ns = f"{KEY}{e.controller.admit()}"
+        for r in _generate_reqs(recv_reqs):
+            r.extra_key = f"{r.extra_key}|{ns}" if r.extra_key else ns
+    return None
+
+
+def on_new_request(req, scheduler, *args, **kwargs):
+    e = _ELASTIC
+    if e is not None:
+        now = time.monotonic()
+        e.arrivals[req] = now
+        level = level_of(req.extra_key)
+        if not e.leader and level is not None:
+            e.controller._set(level, "the level of the rank that receives the requests", now)
+    return req
+
+
+def _tick(e: Elastic, scheduler, now: float) -> None:
+    running = [e.budgets.budget(r) for r in getattr(scheduler.running_batch, "reqs", None) or []]
+    before = e.controller.level
+    if e.controller.tick(now, running, len(scheduler.waiting_queue), scheduler.max_running_requests):
+        logger.info("vskipper: elastic depth level %d -> %d: %s", before, e.controller.level, e.controller.reason)
+
+
+def after_batch(result, scheduler, batch, *args, **kwargs):
+    e = _ELASTIC
+    if e is None or batch is None:
+        return result
+    now = time.monotonic()
+    mode = batch.forward_mode
+    if mode.is_decode() or mode.is_mixed():
+        e.controller.decode_step(now)
+    if mode.is_extend():
+        for r in batch.reqs:
+            t = e.arrivals.get(r)
+            if t is not None and r.output_ids:
+                e.controller.first_token(now - t)
+                del e.arrivals[r]
+    if e.leader:
+        _tick(e, scheduler, now)
+    return result
+
+
+def after_idle(result, scheduler, *args, **kwargs):
+    e = _ELASTIC
+    if e is not None:
+        e.controller.idle()
+        if e.leader:
+            _tick(e, scheduler, time.monotonic())
+    return result
