@@ -73,3 +73,44 @@ def test_pipeline_parallel_is_refused_naming_the_flag(monkeypatch):
     monkeypatch.setattr(rc, "get_parallel", lambda: SimpleNamespace(tp_size=1, pp_group=SimpleNamespace(world_size=2)))
     with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(--pp-size 2\) is not supported"):
         fam.make_stacks(SimpleNamespace(model=SimpleNamespace(layers=[])), [0])
+
+
+def test_tensor_parallel_2_elastic_depth_every_rank_applies_the_same_level(tmp_path, capfd):
+    """Elastic depth under a target no step meets: rank 0 raises the level under a queue and stamps the
+    requests it receives; rank 1 gets them through SGLang's broadcast and routes alike (equal digests),
+    and a request admitted at the top level gets the skipper alone."""
+    import asyncio
+
+    import torch
+
+    from vskipper.reference import reference_generate
+
+    from tiny import VOCAB
+
+    path, base, sk = checkpoint(tmp_path, "llama")
+    g = torch.Generator().manual_seed(3)
+    wave = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in [3, 7, 5, 9] * 3]
+    probe = torch.randint(1, VOCAB, (6,), generator=g)
+    sp = lambda n: {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}  # noqa: E731
+    with engine(path, log_level="info", engine_args={"tp_size": 2, "max_running_requests": 4},
+                VSKIPPER_EXECUTION="routed", VSKIPPER_TPOT_MS="0.001", VSKIPPER_CONTROL_PERIOD_MS="1",
+                VSKIPPER_ROUTE_DIGEST=str(tmp_path / "routes"), **calibrated_cache(tmp_path, base), **TWO_RANKS) as eng:
+        capfd.readouterr()
+
+        async def under_load():
+            load = asyncio.ensure_future(eng.async_generate(input_ids=wave, sampling_params=sp(24)))
+            log = ""
+            for _ in range(900):  # until the level has risen (at most 45 s)
+                await asyncio.sleep(0.05)
+                log += capfd.readouterr().err
+                if "elastic depth level 0 -> 4" in log:
+                    break
+            out = (await eng.async_generate(input_ids=probe.tolist(), sampling_params=sp(8)))["output_ids"]
+            await load
+            return log, out
+
+        log, out = eng.loop.run_until_complete(under_load())
+    assert "elastic depth level 0 -> 4" in log, log[-3000:]
+    assert out == reference_generate(base, sk, probe, 8)[0][len(probe):].tolist(), "top level: the skipper alone"
+    d = digests(tmp_path / "routes")
+    assert set(d) == {"tp0", "tp1"} and d["tp0"] and d["tp0"] == d["tp1"], "ranks applied different levels"
