@@ -136,6 +136,10 @@ class Controller:
         self.ttfts.clear()
         return True
 
+    def follow(self, level: int, now: float) -> None:
+        """On a rank that does not decide: the level the deciding rank admitted the last request at."""
+        self._set(level, "the level of the rank that receives the requests", now)
+
     def observed(self) -> float | None:
         return p90(self.recent) if self.recent else None
 

@@ -118,7 +118,7 @@ def on_new_request(req, scheduler, *args, **kwargs):
         e.arrivals[req] = now
         level = level_of(req.extra_key)
         if not e.leader and level is not None:
-            e.controller._set(level, "the level of the rank that receives the requests", now)
+            e.controller.follow(level, now)
     return req
 
 
