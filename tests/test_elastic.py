@@ -135,6 +135,22 @@ def test_serve_refuses_bad_targets_naming_the_flag(tmp_path, monkeypatch, capsys
     assert re.search(message, capsys.readouterr().err)
 
 
+# --- the ramp benchmark's table and figure (benchmarks/serving/elastic_ramp.py) -------------------
+def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
+    from benchmarks.serving.elastic_ramp import plot, quantile, table
+
+    assert quantile([5, 1, 4, 2, 3], 0.9) == 5 and quantile([5, 1, 4, 2, 3], 0.5) == 3
+    m = lambda p90, skip: dict(tpot_p50_ms=p90 / 2, tpot_p90_ms=p90, ttft_p50_s=0.1, ttft_p90_s=0.2, tok_s=9.0,  # noqa: E731
+                               failed=0, skip=skip, agreement=None if skip is None else 1 - skip)
+    steps = [{"multiple": f, "rate": f * 2, "systems": {"upstream": m(30 * f, None), "elastic-random": m(30, s)}}
+             for f, s in ((0.5, 0.0), (1.5, 0.4))]
+    md = table(steps, ["upstream", "elastic-random"], target_ms=40.0)
+    assert "| 1.5x (3.000/s) | upstream | 22 | 45 * |" in md and "| 1.5x (3.000/s) | elastic-random | 15 | 30 |" in md
+    assert "0.400" in md and "0.60" in md
+    plot(steps, ["upstream", "elastic-random"], 40.0, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 1000
+
+
 # --- real SGLang on CPU ------------------------------------------------------------------------
 NEW = 10
 

@@ -1,0 +1,230 @@
+"""Elastic depth under a load ramp (issue: elastic depth), through SGLang's own client (client.py).
+
+1. Upstream first, on this machine in this run: its saturated capacity, then the highest offered rate
+   (a fraction of that capacity, `SEARCH`) at which its p90 TPOT still meets the target: R.
+   `--tpot-ms auto` sets the target to 1.5x upstream's p90 TPOT with one request at a time.
+2. Servers side by side (one CPU thread each, --sleep-on-idle, /metrics on): upstream; per skipper
+   (RandomSkip 0.5 over the second half of the layers, and on the bundled model the shipped trained
+   FlexiDepth skipper) vskipper with the skipper alone ("fixed") and vskipper with elastic depth to
+   the target ("elastic"). Elastic servers price their levels by the cost calibration, measured here
+   first if this CPU has none.
+3. Each step offers `STEPS` x R req/s (seeded Poisson arrivals, `--requests` per step, pinned output
+   lengths) to every server in turn (the order rotates per step). Per step and system: p50/p90 TPOT
+   and TTFT, output tok/s, the skip fraction of routed-layer work (the servers' route counters on
+   /metrics, before and after the step) and greedy agreement with upstream on a fixed probe subset
+   (the first `--probes` requests of every step are the same prompts).
+4. A table per skipper, results.json, a figure (p90 TPOT and skip fraction against offered load, the
+   target drawn) and the page docs/results/elastic-ramp.md.
+`--smoke`: tiny sizes, RandomSkip only (a check that the script runs, not a measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+from benchmarks import results as R
+from benchmarks.results import log
+from benchmarks.serving.report import prefix_share
+from benchmarks.serving.servers import SERVER_THREADS, System, start_all, stop
+
+STEPS = (0.25, 0.5, 0.75, 1.0, 1.1, 1.25, 1.5)  # multiples of R, upstream's highest rate meeting the target
+SEARCH = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # of upstream's saturated capacity, in req/s
+
+
+def quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+def measure(client, url: str, rows: list, rate: float, seed: int) -> dict:
+    """One load on one server: per-request TPOT (s per token after the first) and TTFT, output tok/s,
+    the generated texts (greedy), failures."""
+    res = client.run(url, rows, concurrency=None, rate=rate, seed=seed)
+    ok = [(ttft, e2e, n) for (good, ttft, e2e, n, _), row in zip(res.per_request, rows)
+          if good and n == row.output_len]
+    tpot = [(e2e - ttft) / max(1, n - 1) for ttft, e2e, n in ok]
+    return {"tpot_p50_ms": quantile(tpot, 0.5) * 1e3, "tpot_p90_ms": quantile(tpot, 0.9) * 1e3,
+            "ttft_p50_s": quantile([t for t, _, _ in ok], 0.5), "ttft_p90_s": quantile([t for t, _, _ in ok], 0.9),
+            "tok_s": res.output_throughput, "failed": len(rows) - len(ok), "texts": list(res.texts)}
+
+
+def route_counts(url: str) -> tuple[float, float]:
+    """(run, project) summed over the routed layers, from vskipper_routed_layer_tokens_total on /metrics."""
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    got = {"run": 0.0, "project": 0.0}
+    for m in re.finditer(r'^vskipper_routed_layer_tokens_total\{([^}]*)\} (\S+)$', text, re.M):
+        route = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).get("route")
+        if route in got:
+            got[route] += float(m.group(2))
+    return got["run"], got["project"]
+
+
+def find_rate(client, url: str, rows: list, target_ms: float, seed: int, search=SEARCH,
+              strict: bool = True) -> tuple[float, list]:
+    """Upstream's highest rate (of `search` x its saturated capacity) whose p90 TPOT meets the target
+    (strict=False, for a smoke run: the lowest rate searched when none does)."""
+    sat = measure(client, url, rows, math.inf, seed)
+    capacity = sat["tok_s"] / rows[0].output_len
+    log(f"upstream saturated: {sat['tok_s']:.1f} tok/s = {capacity:.3f} req/s")
+    best, curve = None, []
+    for f in search:
+        m = measure(client, url, rows, f * capacity, seed + 1)
+        curve.append((f * capacity, m["tpot_p90_ms"]))
+        log(f"  {f * capacity:.3f} req/s: p90 TPOT {m['tpot_p90_ms']:.1f} ms")
+        if not m["tpot_p90_ms"] <= target_ms:
+            break
+        best = f * capacity
+    if best is None and not strict:
+        log("  upstream meets the target at no rate searched: a smoke run goes on from the lowest")
+        best = search[0] * capacity
+    if best is None:
+        raise SystemExit(f"upstream misses the {target_ms:g} ms target even at {search[0]:g}x its capacity: "
+                         f"give a larger --tpot-ms")
+    return best, curve
+
+
+def systems_for(model: str, skippers: dict[str, str], target_ms: float) -> list[System]:
+    on = (("VSKIPPER_STATS_INTERVAL", "8"),)
+    out = [System("upstream", model, label="upstream", args=("--enable-metrics",))]
+    for name, spec in skippers.items():
+        out.append(System(f"fixed-{name}", model, spec, env=on, label=f"{name}, fixed depth",
+                          args=("--enable-metrics",)))
+        out.append(System(f"elastic-{name}", model, spec, env=on + (("VSKIPPER_TPOT_MS", f"{target_ms:.3f}"),),
+                          label=f"{name}, elastic", args=("--enable-metrics",)))
+    return out
+
+
+def table(steps: list[dict], names: list[str], target_ms: float) -> str:
+    rows = []
+    for st in steps:
+        for name in names:
+            m = st["systems"][name]
+            rows.append([f"{st['multiple']:g}x ({st['rate']:.3f}/s)", name, f"{m['tpot_p50_ms']:.0f}",
+                         f"{m['tpot_p90_ms']:.0f}" + (" *" if m["tpot_p90_ms"] > target_ms else ""),
+                         f"{m['ttft_p50_s']:.2f}", f"{m['ttft_p90_s']:.2f}", f"{m['tok_s']:.1f}",
+                         "-" if m.get("skip") is None else f"{m['skip']:.3f}",
+                         "-" if m.get("agreement") is None else f"{m['agreement']:.2f}", m["failed"]])
+    return R.table(["offered load (x R)", "system", "TPOT p50 ms", "TPOT p90 ms", "TTFT p50 s", "TTFT p90 s",
+                    "output tok/s", "skip fraction", "agreement", "failed"], rows)
+
+
+def plot(steps: list[dict], names: list[str], target_ms: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [st["multiple"] for st in steps]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in names:
+        a.plot(xs, [st["systems"][name]["tpot_p90_ms"] for st in steps], marker="o", label=name)
+        if name != "upstream":
+            b.plot(xs, [st["systems"][name].get("skip") or 0.0 for st in steps], marker="o", label=name)
+    a.axhline(target_ms, color="k", ls="--", lw=1, label="target")
+    a.set(xlabel="offered load (x upstream's rate at the target)", ylabel="p90 TPOT (ms)", title="latency")
+    b.set(xlabel="offered load (x upstream's rate at the target)", ylabel="skip fraction of routed-layer work",
+          title="depth used", ylim=(0, 1))
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving.elastic_ramp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--tpot-ms", default="auto", help="the TPOT target in ms, or 'auto' (see above)")
+    ap.add_argument("--requests", type=int, default=40, help="requests per step and system")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--probes", type=int, default=8, help="fixed prompts at the head of every step (agreement)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, RandomSkip only: a check that it runs")
+    R.add_arguments(ap, "elastic-ramp")
+    args = ap.parse_args(argv)
+    from benchmarks.serving.client import Client
+    from vskipper.first_start import ensure_calibration
+    from vskipper.models.checkpoint import read_config
+
+    trained = None
+    if args.model is None:
+        from vskipper.models.smollm2 import smollm2_dir
+        from vskipper.skippers.shipped import DEFAULT
+
+        args.model, trained = str(smollm2_dir()), f"flexidepth:name={DEFAULT}"
+    steps, search = STEPS, SEARCH
+    if args.smoke:
+        args.requests, args.max_new_tokens, args.probes, steps, search, trained = 4, 8, 2, (0.5, 1.5), (0.3, 0.6), None
+    n = read_config(args.model)["num_hidden_layers"]
+    skippers = {"random": f"random:rate=0.5,layers={n // 2}-{n - 1},seed=0"}  # RandomSkip 0.5
+    if trained:
+        skippers["trained"] = trained
+    if not _cuda():  # the elastic servers price their levels by it (on a GPU: `vskipper calibrate` first)
+        ensure_calibration(args.model, "cpu", "float32", SERVER_THREADS, 64, log)
+    client = Client(args.model, args.out / "client")
+    probe_rows = client.prompt_rows(args.probes, args.max_new_tokens, args.seed + 999)
+
+    def rows_of(seed: int) -> list:
+        return probe_rows + client.prompt_rows(args.requests - args.probes, args.max_new_tokens, seed)
+    up = start_all([System("upstream", args.model, label="upstream", args=("--enable-metrics",))], args.out / "logs",
+                   threads=SERVER_THREADS, log_level="info")["upstream"]
+    try:
+        if args.tpot_ms == "auto":
+            alone = client.run(up.url, rows_of(args.seed)[:4], concurrency=1)
+            target = 1.5 * float(alone.mean_tpot_ms)
+        else:
+            target = float(args.tpot_ms)
+        log(f"target: p90 TPOT <= {target:.1f} ms")
+        rate, curve = find_rate(client, up.url, rows_of(args.seed), target, args.seed, search, strict=not args.smoke)
+    finally:
+        stop(up)
+    systems = systems_for(args.model, skippers, target)
+    names = [s.name for s in systems]
+    servers = start_all(systems, args.out / "logs", threads=SERVER_THREADS, log_level="info")
+    done = []
+    try:
+        for i, f in enumerate(steps):
+            rows, step = rows_of(args.seed + 10 + i), {"multiple": f, "rate": f * rate, "systems": {}}
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                srv = servers[name]
+                before = route_counts(srv.url)
+                m = measure(client, srv.url, rows, f * rate, args.seed + 10 + i)
+                run, project = (a - b for a, b in zip(route_counts(srv.url), before))
+                m["skip"] = project / (run + project) if run + project else None
+                step["systems"][name] = m
+                log(f"{f:g}x {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms, skip {m['skip']}")
+            ref = [client.tokenizer.encode(t) for t in step["systems"]["upstream"]["texts"][:args.probes]]
+            for name in names:
+                m = step["systems"][name]
+                gen = [client.tokenizer.encode(t) for t in m.pop("texts")[:args.probes]]
+                m["agreement"] = prefix_share(gen, ref) if name != "upstream" else None
+            done.append(step)
+    finally:
+        for srv in servers.values():
+            stop(srv)
+    md = (f"Target p90 TPOT {target:.1f} ms; R = {rate:.3f} req/s, upstream's highest rate meeting it; "
+          f"{args.requests} requests per step, {args.max_new_tokens} output tokens, the first {args.probes} the "
+          f"same prompts every step (agreement: greedy tokens reproduced before the first divergence from "
+          f"upstream's). * = p90 TPOT over the target. Figure: elastic-ramp.png in the run's --out.\n\n"
+          + table(done, names, target))
+    print(md)
+    plot(done, names, target, args.out / "elastic-ramp.png")
+    R.write_results("elastic-ramp", {"target_ms": target, "rate": rate, "search": curve, "steps": done,
+                                     "systems": names, "smoke": args.smoke}, md, args.out, R.docs_dir(args))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()
