@@ -122,10 +122,11 @@ def plot(steps: list[dict], names: list[str], target_ms: float, path: Path) -> N
 
     xs = [st["multiple"] for st in steps]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in names:
-        a.plot(xs, [st["systems"][name]["tpot_p90_ms"] for st in steps], marker="o", label=name)
+    for i, name in enumerate(names):  # one colour per system in both panels
+        a.plot(xs, [st["systems"][name]["tpot_p90_ms"] for st in steps], marker="o", label=name, color=f"C{i}")
         if name != "upstream":
-            b.plot(xs, [st["systems"][name].get("skip") or 0.0 for st in steps], marker="o", label=name)
+            b.plot(xs, [st["systems"][name].get("skip") or 0.0 for st in steps], marker="o", label=name,
+                   color=f"C{i}")
     a.axhline(target_ms, color="k", ls="--", lw=1, label="target")
     a.set(xlabel="offered load (x upstream's rate at the target)", ylabel="p90 TPOT (ms)", title="latency")
     b.set(xlabel="offered load (x upstream's rate at the target)", ylabel="skip fraction of routed-layer work",
