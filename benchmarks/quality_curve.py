@@ -160,6 +160,8 @@ def main(argv=None) -> None:
     ap.add_argument("--skipper", default="flexidepth:name=smollm2-135m-flexidepth",
                     help="the trained skipper (a flexidepth spec); its routed layers are the baselines' too")
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.85])
+    ap.add_argument("--compare", metavar="SPEC", help="another skipper (e.g. the one shipped now), one row at its "
+                                                     "own settings: to choose which to ship")
     ap.add_argument("--limit", type=int, help="at most this many prompts per held-out set")
     ap.add_argument("--arithmetic", type=int, default=100, help="arithmetic questions per point")
     ap.add_argument("--facts", type=int, default=339, help="multiple-choice facts per point")
@@ -209,6 +211,9 @@ def main(argv=None) -> None:
             rows.append({**evaluate(f"static drop {drop}", transformed(vskipper.Static(drop)), data, tok, args,
                                     share=len(drop) / len(layers)),
                          "kind": "static", "setting": f"layers {drop}"})
+    if args.compare:
+        rows.append({**evaluate(f"compared: {args.compare}", transformed(vskipper.parse_skipper(args.compare)), data,
+                                tok, args), "kind": "compared", "setting": args.compare})
     header = ["system", "setting", "skip", "top-1 (tf)", "KL (tf)", "agreeing prefix", "median", "identical",
               "arithmetic", "facts"]
     body = [[r["kind"], r["setting"], _pct(r["skip"]), f"{_pct(r['top1'])} +- {100 * r['top1_se']:.1f}",
