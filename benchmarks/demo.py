@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     log(f"phase 1/4: setup: the bundled model, and this CPU's cost calibration at {SERVER_THREADS} thread(s)")
     torch.set_num_threads(SERVER_THREADS)  # the cost model is keyed on the thread count: as the servers run
     first_start.ensure_calibration(path, "cpu" if not torch.cuda.is_available() else "cuda", "float32",
-                                   SERVER_THREADS, first_start.CPU_MAX_BATCH, log)
+                                   SERVER_THREADS, max(DECODE_BATCHES), log)  # the batches it times and serves
     setup_s = time.perf_counter() - t0
     step_s = run_step(args, out / "step")
     steps = step_deltas(step_s)

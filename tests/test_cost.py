@@ -267,7 +267,7 @@ def test_calibrations_are_kept_per_dtype():
 
 
 def test_calibrate_max_batch_limits_the_decode_grid_only(monkeypatch, capsys, tmp_path):
-    """`make demo`'s first run times the batch sizes its servers see (--max-batch 64); prefill keeps its grid."""
+    """--max-batch times the decode batch sizes a server sees, up to that size; prefill keeps its grid."""
     from vskipper import calibrate
 
     monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path))
