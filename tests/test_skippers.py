@@ -249,4 +249,4 @@ def test_flexidepth_threshold_moves_its_decisions_and_only_its():
 
 def test_shipped_skipper_by_name():
     sk = vskipper.parse_skipper("flexidepth:name=smollm2-135m-flexidepth")
-    assert isinstance(sk, vskipper.FlexiDepth) and list(sk.layers) == list(range(15, 30)) and sk.gate == "soft"
+    assert isinstance(sk, vskipper.FlexiDepth) and list(sk.layers) == list(range(15, 30)) and sk.gate == "hard"

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="do not measure a cost calibration before serving when there is none (the server then runs "
                         "the dense-masked body)")
     s.add_argument("--threshold", help="the FlexiDepth router's threshold (default 0.5): a token runs a routed "
-                                       "layer when its gate is above it, so a higher one skips less")
+                                       "layer when its gate is above it, so a higher one skips more")
     s.add_argument("--tpot-ms", "--vskipper-tpot-ms", dest="tpot_ms",
                    help="elastic depth: a latency target in ms per output token; the server then skips only as much "
                         "as its load needs to meet it (level 0, the base model's function, when it can afford it; "

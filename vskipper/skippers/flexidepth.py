@@ -180,7 +180,7 @@ class FlexiDepth(Skipper):
         """A FlexiDepth (weights not loaded yet) from the validated skipper fields of a skip-aware
         config.json (`vskipper.models.checkpoint.skipper_fields`): what every loader builds before it
         reads the tensors. `gate` overrides the checkpoint's gate_mode; `threshold` FlexiDepth's 0.5
-        (a token RUNs a layer when g > threshold: higher runs more, lower skips more)."""
+        (a token RUNs a layer when g > threshold: a higher one skips more, a lower one runs more)."""
         return cls(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
                    rms_norm_eps=f["rms_norm_eps"], gate=gate or f["gate_mode"],
                    threshold=0.5 if threshold is None else threshold,

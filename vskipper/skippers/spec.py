@@ -5,7 +5,7 @@
     flexidepth:path=/ckpt[,gate=hard]       FlexiDepth.from_pretrained(path)
     flexidepth:name=smollm2-135m-flexidepth a skipper shipped in the package (vskipper/data/skippers/)
     flexidepth:name=...,threshold=0.7       its router's threshold (default 0.5): a token RUNs a layer
-                                            when g > threshold, so a higher one skips less
+                                            when g > threshold, so a higher one skips more
 
 Layer lists take single indices and inclusive ranges `a-b`; a bare item after `layers=`
 continues the list. Every error is a ValueError naming the spec and the bad field.

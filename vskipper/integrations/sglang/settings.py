@@ -10,7 +10,7 @@ VSKIPPER_STATIC_SHAPES   auto | 0 | 1: graph-safe routed body (fixed shapes, dev
 VSKIPPER_STATS_INTERVAL  log per-layer skip statistics every N decode steps; 0 = never (default 0)
 VSKIPPER_CHECK_SYNC      1 = fail on any host sync inside routed layers during decode (a test guard)
 VSKIPPER_THRESHOLD       the FlexiDepth router's threshold, in [0, 1] (unset: the skipper's own, 0.5):
-                         a token RUNs a routed layer when g > threshold, so a higher one skips less
+                         a token RUNs a routed layer when g > threshold, so a higher one skips more
 VSKIPPER_AUTOTUNE        1 | 0: Triton launches use this GPU's tuned configs | their defaults (default 1)
 VSKIPPER_ROUTE_DIGEST    a directory: each rank appends a digest of every routed layer's decisions
                          there (a debugging and test aid: it reads the decisions on the host)
