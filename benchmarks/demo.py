@@ -217,11 +217,14 @@ def record_run(docs: Path, run: dict) -> list[dict]:
 
 def runs_table(runs: list[dict], dates: bool = True) -> str:
     """The latest runs of the main job, oldest first: the shipped trained skipper's verdict in each
-    (numbered instead of dated for the README, whose dates live on the linked page)."""
+    (for the README: numbered instead of dated, whose dates live on the linked page, and no lead)."""
     rows = [[r["date"] if dates else str(i), f"{r['wall_s']} s (setup {r['setup_s']} s)", r["decode_b32"],
              r["quality"], r["verdict"]] for i, r in enumerate(runs, 1)]
-    return (f"The latest {len(runs)} runs of `make demo` ({runs[-1]['machine']}), the shipped trained skipper:\n\n"
-            + R.table(["run", "wall time", f"decode step, batch {HEADLINE} / upstream", "quality", "verdict"], rows))
+    table = R.table(["run", "wall time", f"decode step, batch {HEADLINE} / upstream", "quality", "verdict"], rows)
+    if not dates:
+        return table
+    lead = f"The latest {len(runs)} runs of `make demo` ({runs[-1]['machine']}), the shipped trained skipper:"
+    return f"{lead}\n\n{table}"
 
 
 def write_readme_block(readme: Path, block: str) -> None:
@@ -232,8 +235,7 @@ def write_readme_block(readme: Path, block: str) -> None:
     if not sep or not sep2:
         log(f"demo: {readme} has no '{README_BEGIN}' ... '{README_END}' block; the README is left as it is")
         return
-    readme.write_text(f"{head}{README_BEGIN}\n{block.strip()}\n\nThe page: [docs/results/demo.md]"
-                      f"(docs/results/demo.md).\n{README_END}{tail}")
+    readme.write_text(f"{head}{README_BEGIN}\n{block.strip()}\n{README_END}{tail}")
 
 
 if __name__ == "__main__":

@@ -403,17 +403,18 @@ def test_demo_keeps_the_latest_three_runs_and_writes_them_into_the_readme_block(
             tmp_path / "demo-runs" / f"2026010{i}-100000.json")  # distinct stamps within one second
     kept = sorted(p.name for p in (tmp_path / "demo-runs").iterdir())
     assert kept == ["20260103-100000.json", "20260104-100000.json", "20260105-100000.json"]
-    table = demo.runs_table([json.loads((tmp_path / "demo-runs" / k).read_text()) for k in kept])
+    runs = [json.loads((tmp_path / "demo-runs" / k).read_text()) for k in kept]
+    table = demo.runs_table(runs)
     assert "The latest 3 runs" in table and "verdict 5" in table and "verdict 2" not in table
     firsts = [line.split(" | ")[0] for line in table.splitlines()[-3:]]
     assert firsts == [f"| 2026-01-0{i} 10:00 UTC" for i in (3, 4, 5)]
     assert "2026-" not in demo.runs_table([run(3)], dates=False)  # the README's copy: numbered, not dated
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{demo.README_BEGIN}\nold table\n{demo.README_END}\nafter\n")
-    demo.write_readme_block(readme, table)
+    demo.write_readme_block(readme, demo.runs_table(runs, dates=False))
     text = readme.read_text()
     assert "old table" not in text and "verdict 5" in text and text.startswith("# x\n\nbefore\n")
-    assert text.endswith(f"{demo.README_END}\nafter\n") and "docs/results/demo.md" in text
+    assert text.endswith(f"{demo.README_END}\nafter\n") and "| 3 |" in text
     readme.write_text("# no block\n")
     demo.write_readme_block(readme, table)  # a README without the block is left alone
     assert readme.read_text() == "# no block\n"
