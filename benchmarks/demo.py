@@ -6,8 +6,11 @@ SGLang, and what it costs in quality, in about ten minutes on 2 CPUs.
 2. speed, from the engine's own step (benchmarks/step/engine_step.py, in a process of its own): one
    SGLang ModelRunner, upstream's layers against vskipper's with nothing skipped (rate 0), the
    shipped trained skipper and RandomSkip 0.5 (all `auto`), on the same batches and KV pool, in
-   paired rounds of random order: decode at batch 8 and 32, and one prefill; each ratio to
-   upstream with its rerun interval (benchmarks/stats.py);
+   paired rounds of random order, each system's fastest of three interleaved steps a round: decode
+   at batch 8 and 32 continuing the held-out everyday prompts (a trained skipper skips by what it
+   reads, so it is timed on text, not on random token ids), and one prefill of those prompts; each
+   ratio to upstream with its rerun interval (benchmarks/stats.py), and the share of routed-layer
+   work each skipper skipped in those steps;
 3. the serving check and quality (benchmarks/serving/quick.py, closed loop only): upstream beside
    the trained skipper and beside RandomSkip, the two at once, waves of concurrency 32 through
    SGLang's own client (does the step's gain reach the client?), with rerun intervals; while the
@@ -50,6 +53,8 @@ def parse(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole job (default 570)")
     ap.add_argument("--step-rounds", type=int, default=16, help="paired rounds of the decode step (default 16)")
+    ap.add_argument("--step-repeats", type=int, default=3,
+                    help="interleaved steps per system and round, the fastest kept (default 3)")
     ap.add_argument("--facts", type=int, default=24, help="multiple-choice facts asked through each server")
     ap.add_argument("--prompts", type=int, default=10, help="everyday prompts for the greedy agreement")
     ap.add_argument("--answer-tokens", type=int, default=24, help="greedy answer length for the agreement")
@@ -65,13 +70,17 @@ def step_deltas(step_s: dict) -> dict:
                     for B, t in by_batch.items()} for phase, by_batch in step_s.items()}
 
 
-def run_step(args, out: Path) -> dict:
+def run_step(args, out: Path) -> tuple[dict, dict]:
+    """engine_step's step times {phase: {batch: {system: [s per round]}}} and the share of routed-layer
+    work each skipper skipped {phase: {batch: {system: fraction}}}."""
     cmd = [sys.executable, "-m", "benchmarks.step.engine_step", "--phase", "both", "--threads", "1", "--systems",
-           *STEP_SYSTEMS, "--batch", *map(str, DECODE_BATCHES), "--rounds", str(args.step_rounds), "--prefill-len",
-           "256", "--prefill-rounds", "4", "--no-routing", "--out", str(out), "--docs", "none"]
+           *STEP_SYSTEMS, "--batch", *map(str, DECODE_BATCHES), "--rounds", str(args.step_rounds), "--repeats",
+           str(args.step_repeats), "--prompts", "everyday", "--prefill-len", "256", "--prefill-rounds", "3",
+           "--no-routing", "--out", str(out), "--docs", "none"]
     log("phase 2/4: speed, the engine's own step: " + " ".join(cmd[2:]))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / "results.json").read_text())["results"]["step_s"]
+    got = json.loads((out / "results.json").read_text())["results"]
+    return got["step_s"], got["skipped"]
 
 
 def quality_through(urls: dict[str, str], out: Path, args) -> dict:
@@ -112,14 +121,18 @@ def quality_through(urls: dict[str, str], out: Path, args) -> dict:
     return q
 
 
-def sentence(step, serving, q_sk, q_base) -> str:
-    """faster and as good / faster and worse by X / not resolved and why. "As good" needs both: the
-    facts score within one standard error of the base's, and greedy answers that mostly agree with the
-    base's (at least half of its tokens before the first divergence, on average)."""
+def sentence(step, serving, q_sk, q_base, skipped: float | None = None) -> str:
+    """faster and as good / faster and worse by X / slower by X / not resolved and why. "As good" needs
+    both: the facts score within one standard error of the base's, and greedy answers that mostly agree
+    with the base's (at least half of its tokens before the first divergence, on average). `skipped`:
+    the share of routed-layer work it skipped in the steps timed."""
     faster = step.hi < 0
     if not faster:
-        return ("not resolved: the decode step's rerun interval includes no change" if step.lo <= 0 <= step.hi
-                else "slower")
+        if step.lo <= 0 <= step.hi:
+            return "not resolved: the decode step's rerun interval includes no change"
+        why = "" if skipped is None else (f": it skipped {skipped:.1%} of routed-layer work, which saves less than "
+                                          f"its router and skip path cost")
+        return f"slower by {step.median:.1%} at batch {HEADLINE}{why}"
     if q_sk is None:
         return "faster; its answers are not the base model's (the speed bound, not a usable skipper)"
     diff = q_sk["facts"] - q_base["facts"]
@@ -150,7 +163,7 @@ def main(argv=None) -> None:
     first_start.ensure_calibration(path, "cpu" if not torch.cuda.is_available() else "cuda", "float32",
                                    SERVER_THREADS, max(DECODE_BATCHES), log)  # the batches it times and serves
     setup_s = time.perf_counter() - t0
-    step_s = run_step(args, out / "step")
+    step_s, skipped = run_step(args, out / "step")
     steps = step_deltas(step_s)
     step_time = time.perf_counter() - t0 - setup_s
     log(f"phase 3/4: the serving check and quality ({time.perf_counter() - t0:.0f} s spent)")
@@ -168,19 +181,23 @@ def main(argv=None) -> None:
         st = steps["decode"][HEADLINE][f"{key}-auto"]
         sv = serve_d[SERVING[key]]
         q = quality.get(SERVING[key]) if key == "trained" else None
-        said = sentence(st, sv, q, quality["upstream"])
+        skip = skipped["decode"][str(HEADLINE)][f"{key}-auto"]
+        said = sentence(st, sv, q, quality["upstream"], skip)
         verdicts.append(f"{label}: {said}")
         qtext = (f"facts {q['facts']:.0%} +- {q['facts_stderr']:.0%} (upstream {quality['upstream']['facts']:.0%} +- "
                  f"{quality['upstream']['facts_stderr']:.0%}); agreeing prefix {q['prefix_mean']:.1f} +- "
                  f"{q['prefix_mean_stderr']:.1f} tokens, {q['identical']:.0%} identical" if q else "not measured")
-        rows.append([label] + [steps["decode"][B][f"{key}-auto"].ratio_text() for B in DECODE_BATCHES]
+        rows.append([label, f"{skip:.1%}"] + [steps["decode"][B][f"{key}-auto"].ratio_text() for B in DECODE_BATCHES]
                     + [steps["prefill"][1][f"{key}-auto"].ratio_text(), sv.ratio_text(), qtext, said])
     rate0 = [steps["decode"][B]["rate0-auto"].ratio_text() for B in DECODE_BATCHES]
-    header = ["skipper"] + [f"decode step, batch {B} / upstream" for B in DECODE_BATCHES] + [
+    header = ["skipper", f"skipped, decode batch {HEADLINE}"] + [
+        f"decode step, batch {B} / upstream" for B in DECODE_BATCHES] + [
         "prefill step (256 tokens) / upstream", "serving tok/s, concurrency 32 / upstream", "quality", "verdict"]
     text = (f"The main job: SmolLM2-135M-Instruct in SGLang 0.5.23, {SERVER_THREADS} CPU thread per engine; "
             f"ratios to upstream SGLang: median of per-round ratios [95% rerun interval: where another run's "
-            f"median would fall]. Engine step: {args.step_rounds} paired rounds in one process (rate 0, vskipper "
+            f"median would fall]. Engine step: {args.step_rounds} paired rounds in one process, each system's "
+            f"fastest of {args.step_repeats} interleaved steps a round, decode continuing the held-out everyday "
+            f"prompts (skipped: the share of routed-layer work the skipper skipped there; rate 0, vskipper "
             f"with nothing skipped, at batch {', '.join(map(str, DECODE_BATCHES))}: {', '.join(rate0)}). Serving: "
             f"{len(serving['orders'])} rounds of concurrency-32 waves, upstream beside each skipper. Quality "
             f"through the servers: {args.facts} multiple-choice facts (lm-eval), greedy agreement on "
@@ -192,7 +209,7 @@ def main(argv=None) -> None:
         runs = record_run(R.docs_dir(args), {
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": R.machine(), "wall_s": round(wall),
             "setup_s": round(setup_s), "decode_b32": steps["decode"][HEADLINE]["trained-auto"].ratio_text(),
-            "quality": rows[0][5], "verdict": verdicts[0].split(": ", 1)[1]})
+            "quality": rows[0][6], "skipped": rows[0][1], "verdict": verdicts[0].split(": ", 1)[1]})
         text += "\n" + runs_table(runs) + "\n"
     print(text)
     R.write_results("demo", {"step_s": step_s, "serving": serving, "quality": quality, "verdicts": verdicts,
@@ -218,9 +235,10 @@ def record_run(docs: Path, run: dict) -> list[dict]:
 def runs_table(runs: list[dict], dates: bool = True) -> str:
     """The latest runs of the main job, oldest first: the shipped trained skipper's verdict in each
     (for the README: numbered instead of dated, whose dates live on the linked page, and no lead)."""
-    rows = [[r["date"] if dates else str(i), f"{r['wall_s']} s (setup {r['setup_s']} s)", r["decode_b32"],
-             r["quality"], r["verdict"]] for i, r in enumerate(runs, 1)]
-    table = R.table(["run", "wall time", f"decode step, batch {HEADLINE} / upstream", "quality", "verdict"], rows)
+    rows = [[r["date"] if dates else str(i), f"{r['wall_s']} s (setup {r['setup_s']} s)", r.get("skipped", "-"),
+             r["decode_b32"], r["quality"], r["verdict"]] for i, r in enumerate(runs, 1)]
+    table = R.table(["run", "wall time", "skipped", f"decode step, batch {HEADLINE} / upstream", "quality", "verdict"],
+                    rows)
     if not dates:
         return table
     lead = f"The latest {len(runs)} runs of `make demo` ({runs[-1]['machine']}), the shipped trained skipper:"

@@ -51,16 +51,25 @@ def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
     return orders
 
 
-def timed_rounds(names: list[str], rounds: int, seed: int, step) -> dict[str, list[float]]:
-    """rounds + 1 rounds, each calling step(name) once for every name in a fresh random order
-    (round_orders); step returns what it measured (seconds, a speed). {name: one value per round},
-    round 0 left out: it warms every system up."""
+def timed_rounds(names: list[str], rounds: int, seed: int, step, repeats: int = 1, best=min) -> dict[str, list[float]]:
+    """rounds + 1 rounds, each calling step(name) `repeats` times for every name, each time in a fresh
+    random order (round_orders); step returns what it measured (seconds, a speed). {name: one value
+    per round}: the best of its repeats (`best`: min for times, max for speeds), round 0 left out: it
+    warms every system up. A shared machine's interference only ever slows a step down, so the
+    fastest of a few interleaved repeats is a far steadier measure of the step itself than any one
+    call (benchmarks/README.md, "Measurements behind the settings")."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
     values = {n: [] for n in names}
-    for r, order in enumerate(round_orders(names, rounds + 1, seed)):
-        for n in order:
-            v = step(n)
-            if r:
-                values[n].append(v)
+    orders = round_orders(names, (rounds + 1) * repeats, seed)
+    for r in range(rounds + 1):
+        got = {n: [] for n in names}
+        for order in orders[r * repeats:(r + 1) * repeats]:
+            for n in order:
+                got[n].append(step(n))
+        if r:
+            for n in names:
+                values[n].append(best(got[n]))
     return values
 
 

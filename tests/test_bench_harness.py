@@ -388,6 +388,9 @@ def test_demo_verdict_from_step_rounds_and_quality():
     assert demo.sentence(d["trained-auto"], None, worse, base).startswith("faster and worse by 20% on the facts task")
     assert demo.sentence(d["skip0.5-auto"], None, same, base).startswith("not resolved")
     assert "speed bound" in demo.sentence(d["trained-auto"], None, None, base)
+    slow = demo.step_deltas({"decode": {"32": {"upstream": up, "trained-auto": [1.06 * t for t in up]}}})
+    said = demo.sentence(slow["decode"][32]["trained-auto"], None, worse, base, skipped=0.074)
+    assert said.startswith("slower by 6.0% at batch 32: it skipped 7.4% of routed-layer work"), said
 
 
 def test_demo_keeps_the_latest_three_runs_and_writes_them_into_the_readme_block(tmp_path):

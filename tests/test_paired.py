@@ -176,3 +176,17 @@ def test_timed_rounds_runs_every_system_once_a_round_in_fresh_orders_and_drops_t
 def test_ratio_text_shows_the_delta_as_a_ratio_with_its_interval():
     assert stats.Delta(0.12, 0.08, 0.155, (0.12,)).ratio_text() == "1.120 [1.080, 1.155]"
     assert stats.Delta(-0.5, -0.6, -0.4, (-0.5,)).ratio_text(2) == "0.50 [0.40, 0.60]"
+
+
+def test_timed_rounds_with_repeats_interleaves_them_and_keeps_each_systems_best():
+    seen = []
+    values = stats.timed_rounds(["a", "b"], 3, seed=1, step=lambda n: seen.append(n) or len(seen), repeats=3)
+    assert len(seen) == 4 * 3 * 2  # (rounds + 1) x repeats x systems
+    assert all(sorted(seen[2 * k: 2 * k + 2]) == ["a", "b"] for k in range(12))  # every system once per repeat
+    for n, vs in values.items():  # each round keeps the smallest (the earliest, here) of that system's 3 calls
+        assert vs == [min(i + 1 for i in range(6 * r, 6 * r + 6) if seen[i] == n) for r in (1, 2, 3)]
+    fastest = stats.timed_rounds(["a", "b"], 2, seed=1, step=lambda n: seen.append(n) or len(seen), repeats=2,
+                                 best=max)
+    assert all(v % 4 in (3, 0) for vs in fastest.values() for v in vs)  # the later of a round's two repeats
+    with pytest.raises(ValueError, match="repeats=0"):
+        stats.timed_rounds(["a"], 2, 0, lambda n: 1.0, repeats=0)

@@ -6,14 +6,22 @@ One SGLang ModelRunner is loaded the way `sglang.benchmark.one_batch` loads it (
 scheduler is bypassed; the vskipper_cpu platform on a machine without a GPU). Each system is a
 set of decoder layers: upstream's own, or the ones `vskipper.transform` made for a skipper (only
 routed layers differ). A round puts each system's layers in place, in a fresh random order, and
-times one step of the batch; ratios are paired within rounds (median, bootstrap 95% CI). Decode:
-the batch's sequences grow by one token per step, alike for every system of a round. Prefill: one
-extend of the batch's prompts per system, the pool cleared before each.
+times one step of the batch, `--repeats` times interleaved (each time in a fresh order), keeping each
+system's fastest; ratios are paired within rounds (median, bootstrap 95% CI). Decode: the batch's
+sequences grow by one token per step, alike for every system of a round. Prefill: one extend of the
+batch's prompts per system, the pool cleared before each.
+
+Prompts: random token ids (`--prompts random`, the default: what `sglang.benchmark.one_batch` times),
+or the held-out everyday prompts in the chat template (`--prompts everyday`), whose greedy answers
+the decode steps then continue. A trained skipper skips by what it reads: on random ids it skips
+far less than on text, so measure a trained skipper on text. Each table gives the share of
+routed-layer work every skipping system skipped in the steps timed.
 
     python -m benchmarks.step.engine_step                   # decode: SmolLM2-135M, batch 1 8 32, 128-token prompts
     python -m benchmarks.step.engine_step --batch 32 --rounds 40 --threads 1
     python -m benchmarks.step.engine_step --phase prefill   # one 1024-token prompt
     python -m benchmarks.step.engine_step --phase both
+    python -m benchmarks.step.engine_step --systems upstream rate0-auto trained-auto --prompts everyday
 
 Each skipping system is also compared with the rate-0 system of the same execution, paired in the
 same rounds: what skipping saves, apart from what vskipper's path costs. The decode phase also
@@ -67,12 +75,17 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-rounds", type=int, help="with --phase both: the prefill's rounds (default 5)")
     ap.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: time the routing work per routed layer too (default on)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved steps per system and round, the fastest kept (default 3)")
+    ap.add_argument("--prompts", choices=["random", "everyday"], default="random",
+                    help="random token ids (default) or the held-out everyday prompts (chat template)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="default: the phase's own (SYSTEMS)")
     R.add_arguments(ap, None)
     a = ap.parse_args(argv)
-    if min(a.batch or [1]) < 1 or (a.rounds is not None and a.rounds < 2) or (a.input_len or 1) < 1 or a.threads < 1:
-        ap.error("--batch, --input-len and --threads must be >= 1, --rounds >= 2")
+    if (min(a.batch or [1]) < 1 or (a.rounds is not None and a.rounds < 2) or (a.input_len or 1) < 1 or a.threads < 1
+            or a.repeats < 1):
+        ap.error("--batch, --input-len, --repeats and --threads must be >= 1, --rounds >= 2")
     if a.systems and "upstream" not in a.systems:
         ap.error("--systems must include upstream (the baseline)")
     a.phases = ["decode", "prefill"] if a.phase == "both" else [a.phase]
@@ -137,31 +150,82 @@ def ratio_tables(times: dict[int, dict[str, list[float]]], systems: list[str]) -
     return text
 
 
-def run_phase(args, runner, sets, phase: str) -> tuple[str, dict]:
-    """One phase over its batch sizes: its tables, and its step times {batch: {system: seconds per round}}."""
+def run_phase(args, runner, sets, phase: str, prompts) -> tuple[str, dict, dict]:
+    """One phase over its batch sizes: its tables, its step times {batch: {system: seconds per round}}
+    and the share of routed-layer work each skipping system skipped {batch: {system: fraction}}."""
     from benchmarks.stats import timed_rounds
     from benchmarks.step.runner import use
 
     systems, batches, input_len, rounds = settings(args, phase)
     model = runner.torch_runner.model
-    times = {}
+    times, skipped = {}, {}
     for B in batches:
-        step = (decode_step if phase == "decode" else prefill_step)(runner, sets, B, input_len)
-        times[B] = timed_rounds(systems, rounds, B, step)
+        step = (decode_step if phase == "decode" else prefill_step)(runner, sets, B, input_len,
+                                                                    prompts(phase, B, input_len))
+        skip_fractions(sets, systems)  # counts from the prefill and earlier batches left out
+        times[B] = timed_rounds(systems, rounds, B, step, repeats=args.repeats)
+        skipped[B] = skip_fractions(sets, systems)
         log(f"{phase}, batch {B} done")
     use(model, *sets["upstream"])
+    what = (f"prompts of {input_len} tokens" if args.prompts == "random" else
+            f"the held-out everyday prompts{'' if phase == 'decode' else f' run together into {input_len} tokens'}"
+            f" (chat template)")
     head = (f"SGLang {'decode' if phase == 'decode' else 'extend'} step, {type(model).__name__} "
-            f"({len(model.model.layers)} layers), prompts of {input_len} tokens, {rounds} paired rounds in random "
-            f"order, {args.threads} thread(s); systems: {describe(systems)}")
+            f"({len(model.model.layers)} layers), {what}, {rounds} paired rounds in random order (the fastest of "
+            f"{args.repeats} interleaved steps per system and round), {args.threads} thread(s); systems: "
+            f"{describe(systems)}")
     text = f"{head}\n\n{ratio_tables(times, systems)}"
+    if any(skipped[B] for B in batches):
+        text += "\n\nShare of routed-layer work skipped in the steps timed: " + "; ".join(
+            f"batch {B}: " + ", ".join(f"{n} {f:.1%}" for n, f in skipped[B].items()) for B in batches)
     if phase == "decode" and args.routing:
         text += "\n\n" + routing_table(model, sets, batches)
-    return text, times
+    return text, times, skipped
 
 
-def decode_step(runner, sets, B: int, input_len: int):
-    """B prompts prefilled by upstream; then step(system) times one decode step of the batch with that
-    system's layers, the sequences growing by a token each step."""
+def skip_fractions(sets, systems) -> dict[str, float]:
+    """{system: share of its routed-layer rows that skipped} since the last call (its route counters
+    zeroed; rate-0 systems left out)."""
+    out = {}
+    for n in systems:
+        state = sets[n][1]
+        if state is None:
+            continue
+        counts = [c.read() for c in state.counters.values()]
+        for c in state.counters.values():
+            c.counts.zero_()
+        if not n.startswith("rate0"):
+            out[n] = sum(c["project"] for c in counts) / max(sum(c["tokens"] for c in counts), 1)
+    return out
+
+
+def text_prompts(tok_dir: str, phase: str, B: int, input_len: int) -> list[list[int]]:
+    """The held-out everyday prompts in the chat template: decode, B of them as they are (cycled past
+    the set's size); prefill, B prompts of input_len tokens, each the set run together from its own
+    starting prompt into one user turn and cut at input_len tokens."""
+    from transformers import AutoTokenizer
+
+    from vskipper.eval.agreement import heldout_prompts
+    from vskipper.training.data import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    texts = [r["prompt"] for r in heldout_prompts(["everyday"])]
+    if phase == "decode":
+        return [chat_ids(tok, texts[b % len(texts)]) for b in range(B)]
+    out = []
+    for b in range(B):
+        ids = chat_ids(tok, "\n".join(texts[b % len(texts):] + texts[:b % len(texts)]))
+        if len(ids) < input_len:
+            raise ValueError(f"--prefill-len {input_len}: the everyday prompts run together make only {len(ids)} "
+                             f"tokens; give at most that")
+        out.append(ids[:input_len])
+    return out
+
+
+def decode_step(runner, sets, B: int, input_len: int, prompt_ids: list[list[int]] | None = None):
+    """B prompts (prompt_ids, else random ones of input_len tokens) prefilled by upstream; then
+    step(system) times one decode step of the batch with that system's layers, the sequences growing
+    by a token each step."""
     from sglang.benchmark import one_batch
 
     from benchmarks.step.runner import use
@@ -169,7 +233,7 @@ def decode_step(runner, sets, B: int, input_len: int):
     model = runner.torch_runner.model
     runner.clear()
     use(model, *sets["upstream"])
-    ids, _, batch = runner.extend(one_batch.prepare_synthetic_inputs_for_latency_test(B, input_len))
+    ids, _, batch = runner.extend(one_batch.prepare_synthetic_inputs_for_latency_test(B, input_len, prompt_ids))
     state = {"ids": ids}
 
     def step(n: str) -> float:
@@ -181,16 +245,16 @@ def decode_step(runner, sets, B: int, input_len: int):
     return step
 
 
-def prefill_step(runner, sets, B: int, input_len: int):
-    """step(system) times one extend of the same B random prompts with that system's layers, the pool
-    cleared first."""
+def prefill_step(runner, sets, B: int, input_len: int, prompt_ids: list[list[int]] | None = None):
+    """step(system) times one extend of the same B prompts (prompt_ids, else random ones of input_len
+    tokens) with that system's layers, the pool cleared first."""
     import numpy as np
     from sglang.benchmark import one_batch
 
     from benchmarks.step.runner import use
 
     model = runner.torch_runner.model
-    ids = np.random.default_rng(0).integers(1, 10000, (B, input_len), dtype=np.int32).tolist()
+    ids = prompt_ids or np.random.default_rng(0).integers(1, 10000, (B, input_len), dtype=np.int32).tolist()
 
     def step(n: str) -> float:
         use(model, *sets[n])
@@ -281,12 +345,22 @@ def main(argv=None) -> None:
     from benchmarks.step.runner import with_model_runner
     from vskipper.models.smollm2 import smollm2_dir
 
-    pool = 4096  # KV pool tokens: decode grows every sequence by a token per system and round
+    model_dir = args.model or str(smollm2_dir())
+    prompts = {}  # (phase, B, input_len) -> token ids of the batch's prompts, None: random ones
+
+    def prompts_of(phase: str, B: int, input_len: int):
+        key = (phase, B, input_len)
+        if key not in prompts:
+            prompts[key] = None if args.prompts == "random" else text_prompts(model_dir, phase, B, input_len)
+        return prompts[key]
+
+    pool = 4096  # KV pool tokens: decode grows every sequence by a token per system, repeat and round
     for phase in args.phases:
         systems, batches, input_len, rounds = settings(args, phase)
-        grow = max(batches) * ((rounds + 1) * len(systems) + 16) if phase == "decode" else 64
-        pool = max(pool, max(batches) * input_len + grow)
-    sections, times = [], {}
+        grow = max(batches) * ((rounds + 1) * args.repeats * len(systems) + 16) if phase == "decode" else 64
+        longest = max(max(map(len, prompts_of(phase, B, input_len) or [[0] * input_len])) for B in batches)
+        pool = max(pool, max(batches) * longest + grow)
+    sections, times, skipped = [], {}, {}
 
     def work(runner) -> None:
         import torch
@@ -295,14 +369,14 @@ def main(argv=None) -> None:
         systems = sorted({n for p in args.phases for n in settings(args, p)[0]}, key=list(SYSTEMS).index)
         sets = layer_sets(runner.torch_runner.model, systems)
         for phase in args.phases:
-            text, times[phase] = run_phase(args, runner, sets, phase)
+            text, times[phase], skipped[phase] = run_phase(args, runner, sets, phase, prompts_of)
             sections.append(text)
 
-    with_model_runner(args.model or str(smollm2_dir()), work, max_total_tokens=pool)
+    with_model_runner(model_dir, work, max_total_tokens=pool)
     text = "\n\n".join(sections) + "\n"
     print(text)
-    R.write_results(f"engine-step-{args.phase}", {"args": vars(args), "step_s": times}, text, args.out,
-                    R.docs_dir(args))
+    R.write_results(f"engine-step-{args.phase}", {"args": vars(args), "step_s": times, "skipped": skipped}, text,
+                    args.out, R.docs_dir(args))
 
 
 if __name__ == "__main__":
