@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -452,3 +453,27 @@ def test_soak_reports_probe_disagreement_under_load_without_failing():
     text, ok = summary(soak_report(outcomes=disagree))
     assert ok, text
     assert "equal to the idle server's answers: 1/2 (50%); the others first differ at token [1]" in text, text
+
+
+def test_soak_with_opted_out_requests_checks_skip_false_probes_against_upstream():
+    prompts = [f"prompt {i}." for i in range(50)]
+    plain = soak_traffic.mixed_jobs(prompts, rate=2.0, duration=60, seed=0)
+    quarter = soak_traffic.mixed_jobs(prompts, rate=2.0, duration=60, seed=0, opted_out=0.25)
+    assert [dataclasses.replace(j, skip=True) for j in quarter] == plain  # the same mix, only the field differs
+    assert [i for i, j in enumerate(quarter) if not j.skip] == list(range(3, len(quarter), 4))  # one in four
+    riders = soak_traffic.probe_jobs(soak_traffic.probe_set(prompts), duration=120, every=30, opted_out=True)
+    assert len(riders) == 2 * 4 * 6 and sum(not j.skip for j in riders) == 4 * 6
+
+    up = [[1, 2, 3], [4, 5, 8]]  # upstream's answers (the skipper's idle answers: [4, 5, 6] for the second)
+    off = lambda outs: outs + [Outcome(Job(1.5, "q", 3, "probe", probe=i, round=0, skip=False), "completed", 3,  # noqa: E731
+                                       "length", list(ids), 0.1, 0.2, span=(1.5, 1.7)) for i, ids in enumerate(up)]
+    good = dict(opted_out=0.25, upstream=up, off_before=[list(x) for x in up], off_after=[list(x) for x in up],
+                tpot_ms=40.0, levels={"0": 30.0, "3": 10.0})
+    text, ok = summary(soak_report(outcomes=off, **good))
+    assert ok, text
+    assert "before and after the load, equal upstream SGLang's answers | pass | 4/4 equal |" in text, text
+    assert "skip-false probes during the load equal to upstream SGLang's answers: 2/2" in text
+    assert "equal to the idle server's answers: 2/2" in text  # the skip-false probes are not compared with those
+    assert "tokens per level: level 0 75.0%, level 3 25.0%" in text and "TPOT target of 40 ms" in text
+    text, ok = summary(soak_report(outcomes=off, **{**good, "off_after": [[1, 2, 3], [4, 5, 6]]}))
+    assert not ok and "| **FAIL** | 3/4 equal |" in text, text

@@ -18,6 +18,13 @@
    RSS stays within 10% of the baseline; the idle probe answers after the load equal those
    before it; the server is still healthy. Probes answered during the load are compared too and
    their agreement rate printed (not a pass condition: see docs/reliability.md).
+With elastic depth (`--tpot-ms`): the server runs the controller to that TPOT target (priced by this
+CPU's cost calibration, measured first if there is none) with /metrics on, and the summary gives
+the tokens served at each level. `--opted-out 0.25`: one request in four (and a copy of each probe
+round) is sent with {"vskipper": {"skip": false}}; after the load an upstream SGLang server (no
+vskipper) answers the probe set, and the skip-false probe answers on the idle server, before and
+after the load, must equal upstream's (a check); those answered during the load are compared with
+upstream's too, reported like the others.
 Exit code 0 when every check passes, 1 otherwise. The summary and every request's outcome go to
 --out (results.json), the summary also to the page docs/results/soak.md.
 """
@@ -75,6 +82,12 @@ class Report:
     idle_before: list = field(default_factory=list)
     idle_after: list = field(default_factory=list)
     healthy_after: bool = False
+    tpot_ms: float | None = None  # elastic depth's target
+    opted_out: float = 0.0
+    off_before: list = field(default_factory=list)  # the skip-false probe answers at idle, before the load
+    off_after: list = field(default_factory=list)
+    upstream: list = field(default_factory=list)  # an upstream SGLang server's answers to the probe set
+    levels: dict = field(default_factory=dict)  # elastic depth: routed-layer tokens per level (/metrics)
 
 
 def choose_rate(args, url: str | None, client) -> tuple[float, str]:
@@ -114,7 +127,17 @@ def soak(args) -> Report:
         choose_rate(args, None, None)  # a bad results.json fails before the server starts
     log(f"starting SGLang + vskipper ({args.skipper}) on {model}")
     env = (("OMP_NUM_THREADS", str(args.threads)),) if args.threads else ()
-    server: Server = start(System("soak", model, args.skipper, env), out)
+    extra = ()
+    if args.tpot_ms:
+        import torch
+
+        from vskipper.first_start import ensure_calibration
+
+        if not torch.cuda.is_available():  # the controller prices its levels by it
+            ensure_calibration(model, "cpu", "float32", args.threads or torch.get_num_threads(), 64, log)
+        env += (("VSKIPPER_TPOT_MS", f"{args.tpot_ms:g}"),)
+        extra = ("--enable-metrics",)
+    server: Server = start(System("soak", model, args.skipper, env, args=extra), out)
     try:
         from benchmarks.serving.client import Client
 
@@ -126,15 +149,18 @@ def soak(args) -> Report:
         bad = [o for o in run_jobs(server.url, warm, limit=900) if o.status != "completed"]
         if bad:
             raise RuntimeError(f"warm-up failed: {bad[0].error}")
-        report = Report(model, args.skipper, rate, source, args.duration, loadavg, args.threads)
+        report = Report(model, args.skipper, rate, source, args.duration, loadavg, args.threads, tpot_ms=args.tpot_ms,
+                        opted_out=args.opted_out)
         report.idle_before = idle_answers(server.url, probes)
+        if args.opted_out:
+            report.off_before = idle_answers(server.url, probes, skip=False)
         report.rss_baseline = statistics.median(_sleep_then(1.0, tree_rss, server.proc.pid) for _ in range(3))
         log(f"warm: RSS of the server's process tree {report.rss_baseline / 2**20:.0f} MiB")
-        riders = probe_jobs(probes, args.duration, args.probe_every)
+        riders = probe_jobs(probes, args.duration, args.probe_every, opted_out=args.opted_out > 0)
         # the probes are part of the offered load: the mix gets what is left of it (at least half)
         probe_rate = len(riders) * PROBE_NEW / args.duration / mean_new_tokens()
-        jobs = sorted(mixed_jobs(prompts, max(rate / 2, rate - probe_rate), args.duration, args.seed) + riders,
-                      key=lambda j: j.arrival)
+        jobs = sorted(mixed_jobs(prompts, max(rate / 2, rate - probe_rate), args.duration, args.seed,
+                                 args.opted_out) + riders, key=lambda j: j.arrival)
         log(f"load: {sum(j.kind != 'probe' for j in jobs)} requests + {sum(j.kind == 'probe' for j in jobs)} probes "
             f"over {args.duration:.0f} s, then the backlog drains")
 
@@ -150,9 +176,22 @@ def soak(args) -> Report:
         report.healthy_after = alive and _healthy(server.url)
         if report.healthy_after:
             report.idle_after = idle_answers(server.url, probes)
-        return report
+            if args.opted_out:
+                report.off_after = idle_answers(server.url, probes, skip=False)
+            if args.tpot_ms:
+                from benchmarks.serving.elastic_ramp import metric
+
+                report.levels = metric(server.url, "vskipper_elastic_tokens_total", "level")
     finally:
         stop(server)
+    if args.opted_out:  # upstream's answers, from a server of its own once the soak's is gone
+        log("upstream SGLang's answers to the probe set (skip false must give them)")
+        up = start(System("upstream", model, None, env), out)
+        try:
+            report.upstream = idle_answers(up.url, probes)
+        finally:
+            stop(up)
+    return report
 
 
 def _sleep_then(s: float, fn, *args):
@@ -186,11 +225,13 @@ def checks(rep: Report) -> tuple[list[tuple[str, bool, str]], dict]:
     wrong = [o for o in completed if not o.exact]
     peak = max((b for _, b in rep.rss_samples), default=0)
     growth = peak / rep.rss_baseline - 1 if rep.rss_baseline else math.nan
-    answered = [o for o in probes if o.status == "completed" and o.output_ids is not None]
+    answered = [o for o in probes if o.status == "completed" and o.output_ids is not None and o.job.skip]
     same = [o for o in answered if o.output_ids == rep.idle_before[o.job.probe]]
     diverge = [first_difference(o.output_ids, rep.idle_before[o.job.probe]) for o in answered if o not in same]
+    off = [o for o in probes if o.status == "completed" and o.output_ids is not None and not o.job.skip]
+    off_same = [o for o in off if rep.upstream and o.output_ids == rep.upstream[o.job.probe]]
     facts = dict(load=load, probes=probes, count=count, wrong=wrong, peak=peak, growth=growth,
-                 answered=answered, same=same, diverge=diverge)
+                 answered=answered, same=same, diverge=diverge, off=off, off_same=off_same)
     out = [
         ("no request failed", count["failed"] == 0, f"{count['failed']} failed"),
         ("every completed request has its requested token count", not wrong,
@@ -200,6 +241,13 @@ def checks(rep: Report) -> tuple[list[tuple[str, bool, str]], dict]:
          f"{sum(a == b for a, b in zip(rep.idle_after, rep.idle_before))}/{len(rep.idle_before)} equal"),
         ("server healthy after the load", rep.healthy_after, "/health"),
     ]
+    if rep.opted_out:
+        idle = rep.off_before + rep.off_after
+        equal = sum(a == b for a, b in zip(rep.off_before, rep.upstream)) + sum(
+            a == b for a, b in zip(rep.off_after, rep.upstream))
+        out.append(("skip-false probes at idle, before and after the load, equal upstream SGLang's answers",
+                    bool(rep.upstream) and len(idle) == 2 * len(rep.upstream) and equal == len(idle),
+                    f"{equal}/{len(idle)} equal"))
     return out, facts
 
 
@@ -235,7 +283,9 @@ def summary(rep: Report) -> tuple[str, bool]:
         f"load average at start {rep.loadavg_start[0]:.2f}"
         + (" (more than half the CPUs busy at the start)" if busy else ""),
         f"model {Path(rep.model).name}, skipper `{rep.skipper}`"
-        + (f", server OMP_NUM_THREADS={rep.threads}" if rep.threads else "") + f"; rate: {rep.rate_source}",
+        + (f", server OMP_NUM_THREADS={rep.threads}" if rep.threads else "") + f"; rate: {rep.rate_source}"
+        + (f"; elastic depth to a TPOT target of {rep.tpot_ms:g} ms" if rep.tpot_ms else "")
+        + (f"; one request in {round(1 / rep.opted_out)} sent with skip false" if rep.opted_out else ""),
         "",
         R.table(["requests", "sent", "completed", "cancelled (client left mid-stream)", "failed"], kinds),
         "",
@@ -249,6 +299,15 @@ def summary(rep: Report) -> tuple[str, bool]:
         f"probes during the load equal to the idle server's answers: {len(f['same'])}/{len(f['answered'])} "
         f"({len(f['same']) / max(1, len(f['answered'])):.0%})"
         + (f"; the others first differ at token {sorted(f['diverge'])}" if f["diverge"] else ""),
+    ]
+    if rep.opted_out:
+        lines.append(f"skip-false probes during the load equal to upstream SGLang's answers: {len(f['off_same'])}/"
+                     f"{len(f['off'])}")
+    if rep.levels:
+        total = sum(rep.levels.values()) or 1
+        lines.append("elastic depth, routed-layer tokens per level: " + ", ".join(
+            f"level {k} {v / total:.1%}" for k, v in sorted(rep.levels.items(), key=lambda kv: int(kv[0]))))
+    lines += [
         "",
         R.table(["check", "result", ""], [[name, "pass" if passed else "**FAIL**", detail]
                                           for name, passed, detail in result]),
@@ -275,6 +334,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int,
                     help="OMP_NUM_THREADS for the server (default: torch's own choice; on a CPU shared with other "
                          "busy processes, give the number of free cores)")
+    ap.add_argument("--tpot-ms", type=float, help="elastic depth: the server's TPOT target in ms (default off)")
+    ap.add_argument("--opted-out", type=float, default=0.0,
+                    help="share of requests sent with skip false, e.g. 0.25 for one in four (default 0)")
     ap.add_argument("--seed", type=int, default=0)
     R.add_arguments(ap, "soak")
     args = ap.parse_args(argv)
@@ -286,6 +348,10 @@ def main(argv=None) -> None:
         ap.error(f"--knee-from {args.knee_from}: no such file")
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
+    if args.tpot_ms is not None and not args.tpot_ms > 0:
+        ap.error(f"--tpot-ms must be > 0, got {args.tpot_ms}")
+    if not 0 <= args.opted_out <= 0.5:
+        ap.error(f"--opted-out must be between 0 and 0.5 (one request in two), got {args.opted_out}")
     args.probe_every = args.probe_every or args.duration / 4
     args.drain_limit = args.drain_limit if args.drain_limit is not None else 4 * args.duration + 300
     from vskipper.skippers import parse_skipper
@@ -296,10 +362,12 @@ def main(argv=None) -> None:
         ap.error(str(e))
     rep = soak(args)
     text, ok = summary(rep)
-    R.write_results("soak", {
+    R.write_results("soak-elastic" if args.tpot_ms else "soak", {
         "passed": ok, "rate": rep.rate, "rate_source": rep.rate_source, "duration": rep.duration,
         "rss_baseline": rep.rss_baseline, "rss_samples": rep.rss_samples,
-        "idle_before": rep.idle_before, "idle_after": rep.idle_after,
+        "idle_before": rep.idle_before, "idle_after": rep.idle_after, "tpot_ms": rep.tpot_ms,
+        "opted_out": rep.opted_out, "off_before": rep.off_before, "off_after": rep.off_after,
+        "upstream": rep.upstream, "levels": rep.levels,
         "outcomes": [{**asdict(o.job), **{k: v for k, v in asdict(o).items() if k != "job"}} for o in rep.outcomes]},
         text, args.out, R.docs_dir(args))
     print(text)

@@ -27,6 +27,7 @@ class Job:
     cancel_after: int = 0  # disconnect: close the stream once this many tokens arrived
     probe: int = -1  # probe: index in the probe set
     round: int = -1  # probe: which round
+    skip: bool = True  # False: sent with {"vskipper": {"skip": false}} (the base model's function)
 
 
 @dataclass
@@ -57,16 +58,20 @@ def long_prompt(r: random.Random, prompts: list[str]) -> str:
     return "\n\n".join(r.sample(prompts, r.randint(*LONG_PARTS)))
 
 
-def mixed_jobs(prompts: list[str], rate: float, duration: float, seed: int) -> list[Job]:
-    """Seeded Poisson arrivals at `rate` req/s over [0, duration)."""
+def mixed_jobs(prompts: list[str], rate: float, duration: float, seed: int, opted_out: float = 0.0) -> list[Job]:
+    """Seeded Poisson arrivals at `rate` req/s over [0, duration); every 1/opted_out-th of them (e.g.
+    one in four at 0.25) sent with skip false."""
     r = random.Random(seed)
     jobs, t = [], r.expovariate(rate)
     kinds, weights = list(KINDS), list(KINDS.values())
+    every = round(1 / opted_out) if opted_out > 0 else 0
     while t < duration:
         prompt = long_prompt(r, prompts) if r.random() < LONG_FRACTION else r.choice(prompts)
         n = r.choice(NEW_TOKENS)
         kind = r.choices(kinds, weights)[0]
-        jobs.append(Job(t, prompt, n, kind, cancel_after=r.randint(1, n // 2) if kind == "disconnect" else 0))
+        skip = not (every and len(jobs) % every == every - 1)
+        jobs.append(Job(t, prompt, n, kind, cancel_after=r.randint(1, n // 2) if kind == "disconnect" else 0,
+                        skip=skip))
         t += r.expovariate(rate)
     return jobs
 
@@ -77,9 +82,11 @@ def probe_set(prompts: list[str]) -> list[str]:
     return r.sample(prompts, 4) + [long_prompt(r, prompts) for _ in range(2)]
 
 
-def probe_jobs(probes: list[str], duration: float, every: float) -> list[Job]:
+def probe_jobs(probes: list[str], duration: float, every: float, opted_out: bool = False) -> list[Job]:
+    """The probe set every `every` s; with opted_out, each round also sends it with skip false."""
     times = [every / 2 + i * every for i in range(max(1, int(duration // every)))]
-    return [Job(t, p, PROBE_NEW, "probe", probe=i, round=k) for k, t in enumerate(times) for i, p in enumerate(probes)]
+    return [Job(t, p, PROBE_NEW, "probe", probe=i, round=k, skip=skip) for k, t in enumerate(times)
+            for skip in ((True, False) if opted_out else (True,)) for i, p in enumerate(probes)]
 
 
 def mean_new_tokens() -> float:
@@ -110,6 +117,8 @@ async def _send(session, url: str, job: Job, start: float) -> Outcome:
     streaming = job.kind in ("stream", "disconnect")
     payload = {"text": job.prompt, "stream": streaming,
                "sampling_params": {"max_new_tokens": job.max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    if not job.skip:
+        payload["sampling_params"]["custom_params"] = {"vskipper": {"skip": False}}
     try:
         async with session.post(url + "/generate", json=payload) as resp:
             if resp.status != 200:
@@ -172,8 +181,9 @@ def run_jobs(url: str, jobs: list[Job], limit: float, progress=None) -> list[Out
     return asyncio.run(_run(url, jobs, limit, progress))
 
 
-def idle_answers(url: str, probes: list[str]) -> list[list[int] | None]:
-    """Greedy answers of the probe set on an idle server: radix cache flushed, one at a time."""
+def idle_answers(url: str, probes: list[str], skip: bool = True) -> list[list[int] | None]:
+    """Greedy answers of the probe set on an idle server: radix cache flushed, one at a time (skip
+    False: sent with skip false)."""
     import requests
 
     r = requests.post(url + "/flush_cache", timeout=60)
@@ -181,7 +191,7 @@ def idle_answers(url: str, probes: list[str]) -> list[list[int] | None]:
         raise RuntimeError(f"/flush_cache on an idle server answered {r.status_code}: {r.text[:200]}")
     out = []
     for i, p in enumerate(probes):
-        (o,) = run_jobs(url, [Job(0.0, p, PROBE_NEW, "probe", probe=i)], limit=600)
+        (o,) = run_jobs(url, [Job(0.0, p, PROBE_NEW, "probe", probe=i, skip=skip)], limit=600)
         if o.status != "completed" or not o.exact:
             raise RuntimeError(f"idle probe {i} did not complete: {o.status} {o.tokens} tokens {o.error}")
         out.append(o.output_ids)
