@@ -421,3 +421,28 @@ def test_demo_keeps_the_latest_three_runs_and_writes_them_into_the_readme_block(
     readme.write_text("# no block\n")
     demo.write_readme_block(readme, table)  # a README without the block is left alone
     assert readme.read_text() == "# no block\n"
+
+
+# --- the engine step's prompts (benchmarks/step/engine_step.py) ---------------------------------
+def test_engine_step_text_prompts_are_the_everyday_prompts_in_the_chat_template():
+    from transformers import AutoTokenizer
+
+    from benchmarks.step import engine_step
+    from vskipper.eval.agreement import heldout_prompts
+    from vskipper.models.smollm2 import smollm2_dir
+    from vskipper.training.data import chat_ids
+
+    d = str(smollm2_dir())
+    tok = AutoTokenizer.from_pretrained(d)
+    texts = [r["prompt"] for r in heldout_prompts(["everyday"])]
+    decode = engine_step.text_prompts(d, "decode", len(texts) + 2, 128)
+    assert decode[0] == chat_ids(tok, texts[0]) and decode[len(texts) + 1] == decode[1]  # cycled past the set
+    prefill = engine_step.text_prompts(d, "prefill", 2, 256)
+    assert [len(p) for p in prefill] == [256, 256] and prefill[0] != prefill[1]  # each from its own start
+    assert f"user\n{texts[1]}\n{texts[2]}" in tok.decode(prefill[1])  # one user turn, the set from prompt 1 on
+    with pytest.raises(ValueError, match="prompts of 1000000 tokens"):
+        engine_step.text_prompts(d, "prefill", 1, 1_000_000)
+    args = engine_step.parse(["--prompts", "everyday", "--repeats", "2"])
+    assert (args.prompts, args.repeats) == ("everyday", 2)
+    with pytest.raises(SystemExit):
+        engine_step.parse(["--repeats", "0"])

@@ -216,8 +216,8 @@ def text_prompts(tok_dir: str, phase: str, B: int, input_len: int) -> list[list[
     for b in range(B):
         ids = chat_ids(tok, "\n".join(texts[b % len(texts):] + texts[:b % len(texts)]))
         if len(ids) < input_len:
-            raise ValueError(f"--prefill-len {input_len}: the everyday prompts run together make only {len(ids)} "
-                             f"tokens; give at most that")
+            raise ValueError(f"prefill prompts of {input_len} tokens: the everyday prompts run together make only "
+                             f"{len(ids)}; give a prompt length of at most that")
         out.append(ids[:input_len])
     return out
 
