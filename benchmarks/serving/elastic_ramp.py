@@ -3,13 +3,16 @@
 1. Upstream first, on this machine in this run: its saturated capacity, then the highest offered rate
    (a fraction of that capacity, `SEARCH`) at which its p90 TPOT still meets the target: R.
    `--tpot-ms auto` sets the target to 1.5x upstream's p90 TPOT with one request at a time.
-2. Servers side by side (one CPU thread each, --sleep-on-idle, /metrics on): upstream; per skipper
+2. Servers side by side (one CPU thread each, --sleep-on-idle, /metrics on): upstream; vskipper held
+   at level 0 (rate 0 over the routed layers: vskipper's engine path, nothing skipped); per skipper
    (RandomSkip 0.5 over the second half of the layers, and on the bundled model the shipped trained
    FlexiDepth skipper) vskipper with the skipper alone ("fixed") and vskipper with elastic depth to
    the target ("elastic"). Elastic servers price their levels by the cost calibration, measured here
    first if this CPU has none.
-3. Each step offers `STEPS` x R req/s (seeded Poisson arrivals, `--requests` per step, pinned output
-   lengths) to every server in turn (the order rotates per step). Per step and system: p50/p90 TPOT
+3. Each step offers `STEPS` x R req/s (seeded Poisson arrivals, pinned output lengths) to every server
+   in turn (the order rotates per step), for `--step-seconds` of arrivals: max(`--requests`, rate x
+   seconds) requests. (A fixed count at every step would keep the lowest step's arrivals going 6x as
+   long as the highest's: the same requests at 0.25x R take four times R's duration.) Per step and system: p50/p90 TPOT
    and TTFT, output tok/s, the skip fraction of routed-layer work (the servers' route counters on
    /metrics, before and after the step) and greedy agreement with upstream on a fixed probe subset
    (the first `--probes` requests of every step are the same prompts).
@@ -52,29 +55,49 @@ def measure(client, url: str, rows: list, rate: float, seed: int) -> dict:
             "tok_s": res.output_throughput, "failed": len(rows) - len(ok), "texts": list(res.texts)}
 
 
-def route_counts(url: str) -> tuple[float, float]:
-    """(run, project) summed over the routed layers, from vskipper_routed_layer_tokens_total on /metrics."""
+def metric(url: str, name: str, label: str) -> dict[str, float]:
+    """{value of `label`: the series' value} for the counter `name` on the server's /metrics."""
     import requests
 
-    text = requests.get(url + "/metrics", timeout=10).text
-    got = {"run": 0.0, "project": 0.0}
-    for m in re.finditer(r'^vskipper_routed_layer_tokens_total\{([^}]*)\} (\S+)$', text, re.M):
-        route = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).get("route")
-        if route in got:
-            got[route] += float(m.group(2))
-    return got["run"], got["project"]
+    got: dict[str, float] = {}
+    for m in re.finditer(rf'^{name}\{{([^}}]*)\}} (\S+)$', requests.get(url + "/metrics", timeout=10).text, re.M):
+        key = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).get(label)
+        if key is not None:
+            got[key] = got.get(key, 0.0) + float(m.group(2))
+    return got
 
 
-def find_rate(client, url: str, rows: list, target_ms: float, seed: int, search=SEARCH,
+def route_counts(url: str) -> tuple[float, float]:
+    """(run, project) summed over the routed layers, from vskipper_routed_layer_tokens_total on /metrics."""
+    got = metric(url, "vskipper_routed_layer_tokens_total", "route")
+    return got.get("run", 0.0), got.get("project", 0.0)
+
+
+def level_tokens(url: str) -> dict[str, float]:
+    """An elastic server's routed-layer tokens per level, from vskipper_elastic_tokens_total on /metrics."""
+    return metric(url, "vskipper_elastic_tokens_total", "level")
+
+
+def shares(after: dict[str, float], before: dict[str, float]) -> str | None:
+    """`level:share` of the tokens counted between two readings, e.g. '0:70% 4:30%' (None: no tokens)."""
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    total = sum(d.values())
+    return " ".join(f"{k}:{v / total:.0%}" for k, v in sorted(d.items(), key=lambda kv: int(kv[0])) if v > 0) \
+        if total > 0 else None
+
+
+def find_rate(client, url: str, rows_for, target_ms: float, seed: int, search=SEARCH,
               strict: bool = True) -> tuple[float, list]:
     """Upstream's highest rate (of `search` x its saturated capacity) whose p90 TPOT meets the target
-    (strict=False, for a smoke run: the lowest rate searched when none does)."""
+    (strict=False, for a smoke run: the lowest rate searched when none does). rows_for(rate): the
+    requests to offer at that rate (math.inf: all at once)."""
+    rows = rows_for(math.inf)
     sat = measure(client, url, rows, math.inf, seed)
     capacity = sat["tok_s"] / rows[0].output_len
     log(f"upstream saturated: {sat['tok_s']:.1f} tok/s = {capacity:.3f} req/s")
     best, curve = None, []
     for f in search:
-        m = measure(client, url, rows, f * capacity, seed + 1)
+        m = measure(client, url, rows_for(f * capacity), f * capacity, seed + 1)
         curve.append((f * capacity, m["tpot_p90_ms"]))
         log(f"  {f * capacity:.3f} req/s: p90 TPOT {m['tpot_p90_ms']:.1f} ms")
         if not m["tpot_p90_ms"] <= target_ms:
@@ -89,9 +112,11 @@ def find_rate(client, url: str, rows: list, target_ms: float, seed: int, search=
     return best, curve
 
 
-def systems_for(model: str, skippers: dict[str, str], target_ms: float) -> list[System]:
+def systems_for(model: str, skippers: dict[str, str], target_ms: float, level0: str) -> list[System]:
     on = (("VSKIPPER_STATS_INTERVAL", "8"),)
-    out = [System("upstream", model, label="upstream", args=("--enable-metrics",))]
+    out = [System("upstream", model, label="upstream", args=("--enable-metrics",)),
+           System("level0", model, level0, env=on, label="vskipper, level 0 (nothing skipped)",
+                  args=("--enable-metrics",))]
     for name, spec in skippers.items():
         out.append(System(f"fixed-{name}", model, spec, env=on, label=f"{name}, fixed depth",
                           args=("--enable-metrics",)))
@@ -105,13 +130,15 @@ def table(steps: list[dict], names: list[str], target_ms: float) -> str:
     for st in steps:
         for name in names:
             m = st["systems"][name]
-            rows.append([f"{st['multiple']:g}x ({st['rate']:.3f}/s)", name, f"{m['tpot_p50_ms']:.0f}",
+            n = f", {st['requests']} req" if "requests" in st else ""
+            rows.append([f"{st['multiple']:g}x ({st['rate']:.3f}/s{n})", name, f"{m['tpot_p50_ms']:.0f}",
                          f"{m['tpot_p90_ms']:.0f}" + (" *" if m["tpot_p90_ms"] > target_ms else ""),
                          f"{m['ttft_p50_s']:.2f}", f"{m['ttft_p90_s']:.2f}", f"{m['tok_s']:.1f}",
                          "-" if m.get("skip") is None else f"{m['skip']:.3f}",
-                         "-" if m.get("agreement") is None else f"{m['agreement']:.2f}", m["failed"]])
+                         "-" if m.get("agreement") is None else f"{m['agreement']:.2f}", m.get("levels") or "-",
+                         m["failed"]])
     return R.table(["offered load (x R)", "system", "TPOT p50 ms", "TPOT p90 ms", "TTFT p50 s", "TTFT p90 s",
-                    "output tok/s", "skip fraction", "agreement", "failed"], rows)
+                    "output tok/s", "skip fraction", "agreement", "tokens per level", "failed"], rows)
 
 
 def plot(steps: list[dict], names: list[str], target_ms: float, path: Path) -> None:
@@ -143,7 +170,11 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--tpot-ms", default="auto", help="the TPOT target in ms, or 'auto' (see above)")
-    ap.add_argument("--requests", type=int, default=40, help="requests per step and system")
+    ap.add_argument("--requests", type=int, default=12, help="the fewest requests per step and system")
+    ap.add_argument("--step-seconds", type=float, default=60.0,
+                    help="seconds of arrivals per step and system (default 60)")
+    ap.add_argument("--skippers", default="random,trained",
+                    help="which skippers: random (RandomSkip 0.5), trained (the shipped one), or both")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--probes", type=int, default=8, help="fixed prompts at the head of every step (agreement)")
     ap.add_argument("--seed", type=int, default=0)
@@ -163,17 +194,28 @@ def main(argv=None) -> None:
     steps, search = STEPS, SEARCH
     if args.smoke:
         args.requests, args.max_new_tokens, args.probes, steps, search, trained = 4, 8, 2, (0.5, 1.5), (0.3, 0.6), None
+        args.step_seconds = 1.0
     n = read_config(args.model)["num_hidden_layers"]
-    skippers = {"random": f"random:rate=0.5,layers={n // 2}-{n - 1},seed=0"}  # RandomSkip 0.5
+    wanted = args.skippers.split(",")
+    if not wanted or not set(wanted) <= {"random", "trained"}:
+        ap.error(f"--skippers {args.skippers!r}: give random, trained or random,trained")
+    layers = f"{n // 2}-{n - 1}"
+    skippers = {"random": f"random:rate=0.5,layers={layers},seed=0"}  # RandomSkip 0.5
     if trained:
         skippers["trained"] = trained
+    skippers = {k: v for k, v in skippers.items() if k in wanted}
+    if not skippers:
+        ap.error("--skippers trained: only on the bundled model (no --model)")
     if not _cuda():  # the elastic servers price their levels by it (on a GPU: `vskipper calibrate` first)
         ensure_calibration(args.model, "cpu", "float32", SERVER_THREADS, 64, log)
     client = Client(args.model, args.out / "client")
     probe_rows = client.prompt_rows(args.probes, args.max_new_tokens, args.seed + 999)
 
-    def rows_of(seed: int) -> list:
-        return probe_rows + client.prompt_rows(args.requests - args.probes, args.max_new_tokens, seed)
+    def rows_of(seed: int, n: int = args.requests) -> list:
+        return probe_rows + client.prompt_rows(max(1, n - args.probes), args.max_new_tokens, seed)
+
+    def count(rate: float) -> int:  # requests for --step-seconds of arrivals at `rate`; all at once: 2x the fewest
+        return 2 * args.requests if math.isinf(rate) else max(args.requests, round(rate * args.step_seconds))
     up = start_all([System("upstream", args.model, label="upstream", args=("--enable-metrics",))], args.out / "logs",
                    threads=SERVER_THREADS, log_level="info")["upstream"]
     try:
@@ -183,22 +225,25 @@ def main(argv=None) -> None:
         else:
             target = float(args.tpot_ms)
         log(f"target: p90 TPOT <= {target:.1f} ms")
-        rate, curve = find_rate(client, up.url, rows_of(args.seed), target, args.seed, search, strict=not args.smoke)
+        rate, curve = find_rate(client, up.url, lambda r: rows_of(args.seed, count(r)), target, args.seed, search,
+                                strict=not args.smoke)
     finally:
         stop(up)
-    systems = systems_for(args.model, skippers, target)
+    systems = systems_for(args.model, skippers, target, f"random:rate=0,layers={layers},seed=0")
     names = [s.name for s in systems]
     servers = start_all(systems, args.out / "logs", threads=SERVER_THREADS, log_level="info")
     done = []
     try:
         for i, f in enumerate(steps):
-            rows, step = rows_of(args.seed + 10 + i), {"multiple": f, "rate": f * rate, "systems": {}}
+            n = count(f * rate)
+            rows, step = rows_of(args.seed + 10 + i, n), {"multiple": f, "rate": f * rate, "requests": n, "systems": {}}
             for name in names[i % len(names):] + names[:i % len(names)]:
                 srv = servers[name]
-                before = route_counts(srv.url)
+                before, levels = route_counts(srv.url), level_tokens(srv.url)
                 m = measure(client, srv.url, rows, f * rate, args.seed + 10 + i)
                 run, project = (a - b for a, b in zip(route_counts(srv.url), before))
                 m["skip"] = project / (run + project) if run + project else None
+                m["levels"] = shares(level_tokens(srv.url), levels)
                 step["systems"][name] = m
                 log(f"{f:g}x {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms, skip {m['skip']}")
             ref = [client.tokenizer.encode(t) for t in step["systems"]["upstream"]["texts"][:args.probes]]
@@ -211,7 +256,8 @@ def main(argv=None) -> None:
         for srv in servers.values():
             stop(srv)
     md = (f"Target p90 TPOT {target:.1f} ms; R = {rate:.3f} req/s, upstream's highest rate meeting it; "
-          f"{args.requests} requests per step, {args.max_new_tokens} output tokens, the first {args.probes} the "
+          f"{args.step_seconds:g} s of arrivals per step (at least {args.requests} requests), "
+          f"{args.max_new_tokens} output tokens, the first {args.probes} the "
           f"same prompts every step (agreement: greedy tokens reproduced before the first divergence from "
           f"upstream's). * = p90 TPOT over the target. Figure: elastic-ramp.png in the run's --out.\n\n"
           + table(done, names, target))
