@@ -6,7 +6,7 @@ SGLang, and what it costs in quality, in about ten minutes on 2 CPUs.
 2. speed, from the engine's own step (benchmarks/step/engine_step.py, in a process of its own): one
    SGLang ModelRunner, upstream's layers against vskipper's with nothing skipped (rate 0), the
    shipped trained skipper and RandomSkip 0.5 (all `auto`), on the same batches and KV pool, in
-   paired rounds of random order, each system's fastest of three interleaved steps a round: decode
+   paired rounds of random order, each system's fastest of five interleaved steps a round: decode
    at batch 8 and 32 continuing the held-out everyday prompts (a trained skipper skips by what it
    reads, so it is timed on text, not on random token ids), and one prefill of those prompts; each
    ratio to upstream with its rerun interval (benchmarks/stats.py), and the share of routed-layer
@@ -52,9 +52,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole job (default 570)")
-    ap.add_argument("--step-rounds", type=int, default=16, help="paired rounds of the decode step (default 16)")
-    ap.add_argument("--step-repeats", type=int, default=3,
-                    help="interleaved steps per system and round, the fastest kept (default 3)")
+    ap.add_argument("--step-rounds", type=int, default=12,
+                    help=f"paired rounds of the decode step at batch {HEADLINE} (default 12; the smaller batches "
+                         f"get two thirds of them)")
+    ap.add_argument("--step-repeats", type=int, default=5,
+                    help="interleaved decode steps per system and round, the fastest kept (default 5)")
     ap.add_argument("--facts", type=int, default=24, help="multiple-choice facts asked through each server")
     ap.add_argument("--prompts", type=int, default=10, help="everyday prompts for the greedy agreement")
     ap.add_argument("--answer-tokens", type=int, default=24, help="greedy answer length for the agreement")
@@ -73,10 +75,11 @@ def step_deltas(step_s: dict) -> dict:
 def run_step(args, out: Path) -> tuple[dict, dict]:
     """engine_step's step times {phase: {batch: {system: [s per round]}}} and the share of routed-layer
     work each skipper skipped {phase: {batch: {system: fraction}}}."""
+    rounds = [args.step_rounds if B == HEADLINE else max(3, round(args.step_rounds * 2 / 3)) for B in DECODE_BATCHES]
     cmd = [sys.executable, "-m", "benchmarks.step.engine_step", "--phase", "both", "--threads", "1", "--systems",
-           *STEP_SYSTEMS, "--batch", *map(str, DECODE_BATCHES), "--rounds", str(args.step_rounds), "--repeats",
+           *STEP_SYSTEMS, "--batch", *map(str, DECODE_BATCHES), "--rounds", *map(str, rounds), "--repeats",
            str(args.step_repeats), "--prompts", "everyday", "--prefill-len", "256", "--prefill-rounds", "3",
-           "--no-routing", "--out", str(out), "--docs", "none"]
+           "--prefill-repeats", "2", "--no-routing", "--out", str(out), "--docs", "none"]
     log("phase 2/4: speed, the engine's own step: " + " ".join(cmd[2:]))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     got = json.loads((out / "results.json").read_text())["results"]
@@ -195,8 +198,9 @@ def main(argv=None) -> None:
         "prefill step (256 tokens) / upstream", "serving tok/s, concurrency 32 / upstream", "quality", "verdict"]
     text = (f"The main job: SmolLM2-135M-Instruct in SGLang 0.5.23, {SERVER_THREADS} CPU thread per engine; "
             f"ratios to upstream SGLang: median of per-round ratios [95% rerun interval: where another run's "
-            f"median would fall]. Engine step: {args.step_rounds} paired rounds in one process, each system's "
-            f"fastest of {args.step_repeats} interleaved steps a round, decode continuing the held-out everyday "
+            f"median would fall]. Engine step: paired rounds in one process ({args.step_rounds} at batch {HEADLINE}, "
+            f"two thirds of that at smaller ones, 3 of the prefill), each system's fastest of "
+            f"{args.step_repeats} interleaved steps a round (2 extends), decode continuing the held-out everyday "
             f"prompts (skipped: the share of routed-layer work the skipper skipped there; rate 0, vskipper "
             f"with nothing skipped, at batch {', '.join(map(str, DECODE_BATCHES))}: {', '.join(rate0)}). Serving: "
             f"{len(serving['orders'])} rounds of concurrency-32 waves, upstream beside each skipper. Quality "

@@ -19,6 +19,7 @@ routed-layer work every skipping system skipped in the steps timed.
 
     python -m benchmarks.step.engine_step                   # decode: SmolLM2-135M, batch 1 8 32, 128-token prompts
     python -m benchmarks.step.engine_step --batch 32 --rounds 40 --threads 1
+    python -m benchmarks.step.engine_step --batch 8 32 --rounds 10 30      # rounds per batch size
     python -m benchmarks.step.engine_step --phase prefill   # one 1024-token prompt
     python -m benchmarks.step.engine_step --phase both
     python -m benchmarks.step.engine_step --systems upstream rate0-auto trained-auto --prompts everyday
@@ -70,9 +71,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: decode 1 8 32, prefill 1)")
     ap.add_argument("--input-len", type=int, help="prompt tokens (default: decode 128, prefill 1024)")
-    ap.add_argument("--rounds", type=int, help="paired rounds per batch size (default: decode 30, prefill 5)")
+    ap.add_argument("--rounds", type=int, nargs="+",
+                    help="paired rounds: one number, or one per --batch (default: decode 30, prefill 5)")
     ap.add_argument("--prefill-len", type=int, help="with --phase both: the prefill's prompt tokens (default 1024)")
     ap.add_argument("--prefill-rounds", type=int, help="with --phase both: the prefill's rounds (default 5)")
+    ap.add_argument("--prefill-repeats", type=int,
+                    help="with --phase both: the prefill's --repeats (default: the same as decode's)")
     ap.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: time the routing work per routed layer too (default on)")
     ap.add_argument("--repeats", type=int, default=3,
@@ -83,9 +87,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="default: the phase's own (SYSTEMS)")
     R.add_arguments(ap, None)
     a = ap.parse_args(argv)
-    if (min(a.batch or [1]) < 1 or (a.rounds is not None and a.rounds < 2) or (a.input_len or 1) < 1 or a.threads < 1
-            or a.repeats < 1):
-        ap.error("--batch, --input-len, --repeats and --threads must be >= 1, --rounds >= 2")
+    if (min(a.batch or [1]) < 1 or min(a.rounds or [2]) < 2 or (a.input_len or 1) < 1 or a.threads < 1
+            or a.repeats < 1 or (a.prefill_repeats or 1) < 1):
+        ap.error("--batch, --input-len, --repeats, --prefill-repeats and --threads must be >= 1, --rounds >= 2")
+    if a.rounds and len(a.rounds) not in (1, len(a.batch or PHASES["decode"][1])):
+        ap.error(f"--rounds: give one number or one per batch size ({len(a.batch or PHASES['decode'][1])}), "
+                 f"got {len(a.rounds)}")
     if a.systems and "upstream" not in a.systems:
         ap.error("--systems must include upstream (the baseline)")
     a.phases = ["decode", "prefill"] if a.phase == "both" else [a.phase]
@@ -93,14 +100,18 @@ def parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def settings(args, phase: str) -> tuple[list[str], list[int], int, int]:
-    """(systems, batch sizes, prompt tokens, rounds) of a phase: the flags given, else its defaults.
-    With --phase both, --batch, --input-len and --rounds are decode's, --prefill-len and
-    --prefill-rounds prefill's (one prompt)."""
+def settings(args, phase: str) -> tuple[list[str], list[int], int, dict[int, int]]:
+    """(systems, batch sizes, prompt tokens, {batch size: rounds}) of a phase: the flags given, else
+    its defaults. With --phase both, --batch, --input-len and --rounds are decode's, --prefill-len
+    and --prefill-rounds prefill's (one prompt)."""
     systems, batch, input_len, rounds = PHASES[phase]
     if phase == "prefill" and len(args.phases) == 2:
-        return args.systems or systems, batch, args.prefill_len or input_len, args.prefill_rounds or rounds
-    return args.systems or systems, args.batch or batch, args.input_len or input_len, args.rounds or rounds
+        return args.systems or systems, batch, args.prefill_len or input_len, {B: args.prefill_rounds or rounds
+                                                                              for B in batch}
+    batch = args.batch or batch
+    given = args.rounds or [rounds]
+    return args.systems or systems, batch, args.input_len or input_len, dict(zip(batch, given * len(batch)
+                                                                             if len(given) == 1 else given))
 
 
 def layer_sets(model, systems):
@@ -157,13 +168,14 @@ def run_phase(args, runner, sets, phase: str, prompts) -> tuple[str, dict, dict]
     from benchmarks.step.runner import use
 
     systems, batches, input_len, rounds = settings(args, phase)
+    repeats = args.prefill_repeats or args.repeats if phase == "prefill" else args.repeats
     model = runner.torch_runner.model
     times, skipped = {}, {}
     for B in batches:
         step = (decode_step if phase == "decode" else prefill_step)(runner, sets, B, input_len,
                                                                     prompts(phase, B, input_len))
         skip_fractions(sets, systems)  # counts from the prefill and earlier batches left out
-        times[B] = timed_rounds(systems, rounds, B, step, repeats=args.repeats)
+        times[B] = timed_rounds(systems, rounds[B], B, step, repeats=repeats)
         skipped[B] = skip_fractions(sets, systems)
         log(f"{phase}, batch {B} done")
     use(model, *sets["upstream"])
@@ -171,8 +183,9 @@ def run_phase(args, runner, sets, phase: str, prompts) -> tuple[str, dict, dict]
             f"the held-out everyday prompts{'' if phase == 'decode' else f' run together into {input_len} tokens'}"
             f" (chat template)")
     head = (f"SGLang {'decode' if phase == 'decode' else 'extend'} step, {type(model).__name__} "
-            f"({len(model.model.layers)} layers), {what}, {rounds} paired rounds in random order (the fastest of "
-            f"{args.repeats} interleaved steps per system and round), {args.threads} thread(s); systems: "
+            f"({len(model.model.layers)} layers), {what}, {'/'.join(str(rounds[B]) for B in batches)} paired rounds "
+            f"{'' if len(set(rounds.values())) == 1 else '(by batch size) '}in random order (the fastest of "
+            f"{repeats} interleaved steps per system and round), {args.threads} thread(s); systems: "
             f"{describe(systems)}")
     text = f"{head}\n\n{ratio_tables(times, systems)}"
     if any(skipped[B] for B in batches):
@@ -357,7 +370,8 @@ def main(argv=None) -> None:
     pool = 4096  # KV pool tokens: decode grows every sequence by a token per system, repeat and round
     for phase in args.phases:
         systems, batches, input_len, rounds = settings(args, phase)
-        grow = max(batches) * ((rounds + 1) * args.repeats * len(systems) + 16) if phase == "decode" else 64
+        steps = (max(rounds.values()) + 1) * args.repeats * len(systems)  # a decode step per system, repeat, round
+        grow = max(batches) * (steps + 16) if phase == "decode" else 64
         longest = max(max(map(len, prompts_of(phase, B, input_len) or [[0] * input_len])) for B in batches)
         pool = max(pool, max(batches) * longest + grow)
     sections, times, skipped = [], {}, {}
