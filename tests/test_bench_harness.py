@@ -446,3 +446,10 @@ def test_engine_step_text_prompts_are_the_everyday_prompts_in_the_chat_template(
     assert (args.prompts, args.repeats) == ("everyday", 2)
     with pytest.raises(SystemExit):
         engine_step.parse(["--repeats", "0"])
+    both = engine_step.parse(["--phase", "both", "--batch", "8", "32", "--rounds", "8", "12", "--prefill-rounds", "3"])
+    assert engine_step.settings(both, "decode")[3] == {8: 8, 32: 12}  # rounds per batch size
+    assert engine_step.settings(both, "prefill")[3] == {1: 3}
+    one = engine_step.parse(["--batch", "8", "32", "--rounds", "9"])
+    assert engine_step.settings(one, "decode")[3] == {8: 9, 32: 9}
+    with pytest.raises(SystemExit):
+        engine_step.parse(["--batch", "8", "32", "--rounds", "4", "5", "6"])  # neither one nor one per batch size
