@@ -8,7 +8,7 @@ from vskipper.config import Config
 from vskipper.control import COUNTS, SETTINGS, RequestCap
 from vskipper.models import ModelFamily, family_for
 from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
-from vskipper.routed_layer import AutoBody, Body, Plan, RouteCounter, RoutedLayer, make_body, resolve_plan
+from vskipper.routed_layer import AutoBody, Body, Plan, RoutedLayer, make_body, resolve_plan, route_counter
 from vskipper.skippers.base import Skipper
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() shows auto's graph plan for
@@ -25,7 +25,7 @@ class VSkipperState(nn.Module):
                  plan: Plan) -> None:
         super().__init__()
         self.skipper = skipper
-        self.counters = nn.ModuleDict({str(l): RouteCounter() for l in skipper.layers})
+        self.counters = nn.ModuleDict({str(l): route_counter(bool(skipper.sublayers)) for l in skipper.layers})
         n = len(skipper.layers)
         self.caps = nn.ModuleDict({str(l): RequestCap(r, n) for r, l in enumerate(skipper.layers)})
         self.config = config
@@ -89,6 +89,10 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None, 
     if not isinstance(skipper, Skipper):
         raise TypeError(f"vskipper.transform: skipper must be a vskipper.Skipper, got {type(skipper).__name__}")
     family = family_for(model)  # TypeError naming the supported classes
+    if skipper.sublayers and not family.name.startswith("transformers "):
+        raise ValueError(f"vskipper.transform: {type(skipper).__name__} decides attention and MLP separately (a "
+                         f"sublayer skipper), which runs on transformers models so far, not on {family.name} "
+                         f"(docs/architecture.md, 'Sublayer skippers')")
     if hasattr(model, "vskipper") and isinstance(getattr(model, "vskipper"), VSkipperState):
         raise ValueError("vskipper.transform: this model is already transformed; transform a fresh model")
     layers = family.layers(model)
@@ -103,7 +107,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None, 
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
         attention = family.make_attention(layer)
-        state.bodies[i], state.reasons[i] = make_body(plan, attention)
+        state.bodies[i], state.reasons[i] = make_body(plan, attention, sublayers=bool(skipper.sublayers))
         return RoutedLayer(i, attention, getattr(layer, family.post_norm), family.make_mlp(layer), skipper.adapter(i),
                            skipper.gate, state.bodies[i], check_sync=config.check_sync)
 

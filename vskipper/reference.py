@@ -12,13 +12,23 @@ Full-sequence recompute, one sequence, no cache, no padding, attention written o
     (hard gate: no scaling by g or 1 - g)
     a request's budget k (vskipper/control.py): at the skipper's routed layers of rank >= k (0 = the
     shallowest), RUN with g = 1 whatever the router says
+
+A sublayer skipper (skipper.sublayers == ("attention", "mlp"), hard gate, no adapter) instead:
+
+    r   = x, or h itself for router_input "residual"
+    g   = router_l(r, positions, token_ids)            # [S, 2]; column 0 attention, column 1 MLP
+    run = g > threshold                                # per column; non-finite -> that sublayer RUNs
+    K,V = k_proj/v_proj (+RoPE) of x for ALL tokens, attention-skipping ones too
+    h1  = h + o_proj(attention(q_proj(x), K, V))   where run[:, 0], else h
+    out = h1 + mlp(post_ln(h1))                     where run[:, 1], else h1
+    a budget forces both sublayers to RUN
 """
 from __future__ import annotations
 
 import torch
 
 from vskipper.models.rotary import apply_rope, rope_tables
-from vskipper.skippers.base import Skipper, gate_combine, sanitize_gate
+from vskipper.skippers.base import Skipper, gate_combine, sanitize_gate, sublayer_value
 
 
 def attention(attn, x, cos, sin):
@@ -51,7 +61,8 @@ def reference_forward(model, skipper: Skipper, input_ids: torch.Tensor, budget: 
     """One sequence through `model` (an untransformed transformers Llama/Qwen3) under `skipper`, for a
     request that may skip at most `budget` routed layers (None: no cap).
 
-    input_ids [S] -> (logits [S, V], decisions {layer: run [S] bool}, gates {layer: g [S]})."""
+    input_ids [S] -> (logits [S, V], decisions {layer: run [S] bool}, gates {layer: g [S]}); for a
+    sublayer skipper run and g are [S, 2] (attention, MLP)."""
     ids = input_ids.reshape(-1)
     inner = model.model
     h = inner.embed_tokens(ids)  # [S, H]
@@ -62,15 +73,22 @@ def reference_forward(model, skipper: Skipper, input_ids: torch.Tensor, budget: 
     routed = set(skipper.layers)
     for i, layer in enumerate(inner.layers):
         x = layer.input_layernorm(h)
-        h1 = h + attention(layer.self_attn, x, cos, sin)  # K/V of every token feed every query
-        m = layer.mlp(layer.post_attention_layernorm(h1))
+        a = attention(layer.self_attn, x, cos, sin)  # K/V of every token feed every query
         if i not in routed:
-            h = h1 + m
+            h1 = h + a
+            h = h1 + layer.mlp(layer.post_attention_layernorm(h1))
             continue
-        g, run, _ = sanitize_gate(skipper.router(i)(x, positions, ids), skipper.threshold)
+        r = h if skipper.router_input == "residual" else x
+        g, run, _ = sanitize_gate(skipper.router(i)(r, positions, ids), skipper.threshold)
         if budget is not None and skipper.layers.index(i) >= budget:
             g, run = torch.ones_like(g), torch.ones_like(run)
         decisions[i], gates[i] = run, g
+        if skipper.sublayers:  # attention-skipping tokens were attended to above all the same
+            h1 = sublayer_value(h, a, run[:, 0])
+            h = sublayer_value(h1, layer.mlp(layer.post_attention_layernorm(h1)), run[:, 1])
+            continue
+        h1 = h + a
+        m = layer.mlp(layer.post_attention_layernorm(h1))
         adapter = skipper.adapter(i)
         p = None if adapter is None else adapter(layer.post_attention_layernorm(h))
         h = gate_combine(h, h1, m, p, g, run, soft=skipper.gate == "soft")

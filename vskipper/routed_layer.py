@@ -16,6 +16,11 @@ the model's `Plan` (resolve_plan) and what the engine's attention part can do:
   FixedRoutedBody   the same two kinds with fixed shapes, device-side counts and vskipper's grouped
                     ops (no host sync: CUDA graphs), in the ops implementation of the plan;
   AutoBody          dense and routed bodies, and the cost model's chooser among them per step.
+A sublayer skipper's layers (g, run [..., 2]: attention, MLP; skippers/base.py) run their own bodies:
+  SublayerDenseBody   "dense": every row through attention and MLP; per sublayer a mask selects;
+  SublayerRoutedBody  "routed": the attention's RUN rows gathered through attention (K/V written for
+                      every row), then the MLP's RUN rows through the MLP, dynamic shapes;
+                      "routed-mlp": attention for every row (a mask selects), the MLP routed.
 The bodies reach the engine only through the parts of vskipper/engines/parts.py. Shapes: T = rows,
 n = gathered rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
 """
@@ -30,7 +35,7 @@ from vskipper import cost, ops
 from vskipper.config import Config
 from vskipper.engines.parts import AttentionPart, MLPPart
 from vskipper.guard import NoHostSync
-from vskipper.skippers.base import gate_combine, project_value, run_value
+from vskipper.skippers.base import gate_combine, project_value, run_value, sublayer_value
 
 ROUTED_KINDS = ("routed", "routed-mlp")
 
@@ -248,14 +253,81 @@ class AutoBody(Body):
                 f"by the cost model")
 
 
+class SublayerDenseBody(Body):
+    """A sublayer skipper's always-correct form: every row through attention and MLP, per sublayer a
+    mask selects (padding rows skip both: out = h)."""
+
+    name = "dense"
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        run = run & valid.unsqueeze(-1)  # [..., 2]
+        h1 = sublayer_value(h, layer.attention.attend_all(x, ctx), run[..., 0])
+        return sublayer_value(h1, layer.mlp(layer.post_norm(h1)), run[..., 1])
+
+    def describe(self) -> str:
+        return "dense-masked sublayers (every row through attention and MLP; a mask per sublayer selects)"
+
+
+class SublayerRoutedBody(Body):
+    """A sublayer skipper's routed form, dynamic shapes: attention for the rows that run it (K/V
+    written for every row), then the MLP for the rows that run it, each slicing to its real count
+    (read on the host). Kind "routed-mlp" attends for every row and routes the MLP only. A sublayer
+    every row runs is computed as the engine computes it, no gathers."""
+
+    def __init__(self, kind: str = "routed") -> None:
+        self.name = _kind(kind)
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        hf = h.reshape(-1, h.shape[-1])  # [T, H]
+        T = hf.shape[0]
+        ran = (run & valid.unsqueeze(-1)).reshape(-1, 2)  # [T, 2]
+        rows = ran[:, 0].nonzero().squeeze(1)  # [n_attn] ascending; data-dependent shapes are allowed here
+        if self.name == "routed-mlp" or rows.numel() == T:
+            a = layer.attention.attend_all(x, ctx).reshape(hf.shape)
+            h1 = hf + a if rows.numel() == T else sublayer_value(hf, a, ran[:, 0])
+        else:
+            a = layer.attention.attend_rows(x, rows, ctx)  # [n_attn, H]; K/V written for all rows
+            h1 = hf.clone()
+            h1.index_copy_(0, rows, hf.index_select(0, rows) + a)
+        rows = ran[:, 1].nonzero().squeeze(1)  # [n_mlp] ascending
+        if rows.numel() == T:
+            return (h1 + layer.mlp(layer.post_norm(h1))).view_as(h)
+        out = h1.clone()
+        if rows.numel():
+            y = h1.index_select(0, rows)
+            out.index_copy_(0, rows, y + _mlp_rows(layer.mlp, layer.post_norm(y), T))
+        return out.view_as(h)
+
+    def describe(self) -> str:
+        what = ("routed-mlp sublayers (attention for every row, a mask selects; the MLP for its rows only)"
+                if self.name == "routed-mlp" else "routed sublayers (attention for its rows, the MLP for its rows)")
+        return f"{what}, dynamic shapes (torch; counts read on the host)"
+
+
+def make_sublayer_body(plan: Plan) -> tuple[Body, str]:
+    """The body of one routed layer of a sublayer skipper and why. Dense-masked, the always-correct
+    form, wherever no routed sublayer body exists yet: under fixed shapes (CUDA graphs) and for auto
+    (the cost model does not time sublayer bodies)."""
+    if plan.execution == "dense":
+        return SublayerDenseBody(), "execution='dense'"
+    if plan.execution == "auto":
+        return SublayerDenseBody(), "execution='auto': the cost model does not time sublayer bodies yet"
+    if plan.fixed_shapes:
+        return SublayerDenseBody(), (f"execution={plan.execution!r}, {plan.shapes}: no fixed-shape sublayer body "
+                                     f"yet, so dense-masked")
+    return SublayerRoutedBody(plan.execution), f"execution={plan.execution!r}, {plan.shapes}"
+
+
 def routed_body(plan: Plan, kind: str) -> Body:
     return FixedRoutedBody(kind, plan.impl, plan.tuned_kernels) if plan.fixed_shapes else RoutedBody(kind)
 
 
-def make_body(plan: Plan, attention: AttentionPart) -> tuple[Body, str]:
+def make_body(plan: Plan, attention: AttentionPart, sublayers: bool = False) -> tuple[Body, str]:
     """The body of one routed layer and why: decided here, once. A fixed-shape "routed" body needs
     an attention part that masks rows; where the engine has none (transformers), the layer runs
-    "routed-mlp" and the reason says so."""
+    "routed-mlp" and the reason says so. A sublayer skipper's layer: make_sublayer_body."""
+    if sublayers:
+        return make_sublayer_body(plan)
     if plan.execution == "dense":
         return DenseBody(), "execution='dense'"
     no_mask = plan.fixed_shapes and not attention.masks_rows
@@ -304,6 +376,32 @@ class RoutedLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"index={self.index}, body={self.body.describe()!r}, soft={self.soft}"
+
+
+class SublayerRouteCounter(nn.Module):
+    """A sublayer skipper's route counts, on the device: tokens, attention run, MLP run, nonfinite (a
+    token with a non-finite gate for either sublayer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(4, dtype=torch.int64), persistent=False)
+
+    def forward(self, run: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor | None) -> None:
+        # run [..., 2], valid [...] bool; nonfinite [..., 2] bool or None (the router gave decisions)
+        rows = [valid, run[..., 0] & valid, run[..., 1] & valid]
+        if nonfinite is not None:
+            rows.append(nonfinite.any(-1) & valid)
+        self.counts[:len(rows)].add_(torch.stack(rows).reshape(len(rows), -1).sum(1))
+
+    def read(self) -> dict[str, int]:
+        tokens, attn, mlp, nonfinite = self.counts.tolist()
+        return dict(tokens=tokens, attention_run=attn, attention_skip=tokens - attn, mlp_run=mlp,
+                    mlp_skip=tokens - mlp, nonfinite=nonfinite)
+
+
+def route_counter(sublayers: bool) -> nn.Module:
+    """A routed layer's counter: SublayerRouteCounter for a sublayer skipper, else RouteCounter."""
+    return SublayerRouteCounter() if sublayers else RouteCounter()
 
 
 class RouteCounter(nn.Module):

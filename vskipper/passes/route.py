@@ -5,7 +5,9 @@ right after they are made, so that maps, counters and the body all see the cappe
 
 Each routed layer comes with its body, already chosen (routed_layer.make_body); the graph records
 it (node.meta["vskipper"]["body"]) and carries a route-maps node, in the ops implementation the
-body names, only where the body needs one."""
+body names, only where the body needs one. The router reads x = input_layernorm(h), or the layer's
+input h where the skipper says so (router_input "residual": SkipGPT); a sublayer skipper's decisions
+([..., 2]: attention, MLP) go to its routed layer as they are."""
 from __future__ import annotations
 
 import operator
@@ -62,10 +64,14 @@ class RoutePass(Pass):
             h = node.args[0]
             with g.inserting_before(node):
                 x = g.call_module(f"{node.target}.{self.input_norm}", (h,))
-                raw = g.call_module(f"routers.{i}", (x, ph["positions"], ph["token_ids"]))
+                r = h if self.skipper.router_input == "residual" else x
+                raw = g.call_module(f"routers.{i}", (r, ph["positions"], ph["token_ids"]))
                 decide = dec = g.call_function(sanitize_gate, (raw, thr))
                 cap = None
                 if self.caps is not None and "budget" in ph:
+                    if self.skipper.sublayers:
+                        raise PassError(self.name, node.target, "per-request caps do not take a sublayer "
+                                                                "skipper's decisions yet")
                     gm.add_submodule(f"caps.{i}", self.caps[str(i)])
                     cap = dec = g.call_module(f"caps.{i}", (dec, ph["valid"], ph["budget"]))
                 gate = g.call_function(operator.getitem, (dec, 0))

@@ -15,6 +15,17 @@ and per routed layer l:
              Static: it saves the comparisons a float gate needs at every layer and step);
   adapter(l) a module y [T, H] -> [T, H] for PROJECT rows, or None (identity).
 
+A sublayer skipper (SkipGPT and kin) decides attention and MLP separately. It declares
+  sublayers     ("attention", "mlp") (a whole-layer skipper: (), the default);
+  router_input  what its routers read: "normed", x = input_layernorm(h) (the default), or
+                "residual", the layer's input h itself (SkipGPT's routers read h);
+and its router(l) gives two decisions per token, [T, 2]: column 0 RUNs the attention, column 1 the
+MLP (gates compared with the threshold, or bools, as above; non-finite: that sublayer RUNs). A
+skipped sublayer is the identity: its residual passes through. Every token's K/V are still written
+at every layer, whether it runs the attention or not: later tokens attend to it as in the base model
+(SkipGPT's own code computes attention for every token and zeroes the output of those that skip;
+docs/architecture.md, "Sublayer skippers"). A sublayer skipper is hard-gated and has no adapter.
+
 Non-finite router output (NaN, +-Inf) has one defined meaning everywhere: the token RUNs the
 layer with g = 1 (the layer is never silently dropped for a broken gate), and it is counted
 as "nonfinite" in `vskipper.stats`.
@@ -27,6 +38,8 @@ import torch
 from torch import nn
 
 GATES = ("soft", "hard")
+SUBLAYERS = ("attention", "mlp")  # a sublayer skipper's decisions, in the columns of its router's output
+ROUTER_INPUTS = ("normed", "residual")
 
 
 def check_layers(name: str, layers: Iterable[int]) -> tuple[int, ...]:
@@ -54,8 +67,11 @@ class Skipper(nn.Module):
     gate: str = "soft"
     threshold: float = 0.5
     expected_run_fraction: float | None = None
+    sublayers: tuple[str, ...] = ()
+    router_input: str = "normed"
 
-    def __init__(self, layers: Iterable[int], gate: str = "soft", threshold: float = 0.5) -> None:
+    def __init__(self, layers: Iterable[int], gate: str = "soft", threshold: float = 0.5,
+                 sublayers: tuple[str, ...] = (), router_input: str = "normed") -> None:
         super().__init__()
         name = type(self).__name__
         self.layers = check_layers(name, layers)
@@ -63,8 +79,18 @@ class Skipper(nn.Module):
             raise ValueError(f"{name}: gate={gate!r} is not one of 'soft', 'hard'")
         if not isinstance(threshold, (int, float)) or not 0.0 <= float(threshold) <= 1.0:
             raise ValueError(f"{name}: threshold={threshold!r} must be a number in [0, 1]")
+        sublayers = tuple(sublayers) if isinstance(sublayers, (tuple, list)) else (sublayers,)
+        if sublayers not in ((), SUBLAYERS):
+            raise ValueError(f"{name}: sublayers={sublayers!r} must be () (one decision per layer) or {SUBLAYERS!r}")
+        if sublayers and gate != "hard":
+            raise ValueError(f"{name}: a sublayer skipper is hard-gated (a skipped sublayer is the identity), "
+                             f"got gate={gate!r}")
+        if router_input not in ROUTER_INPUTS:
+            raise ValueError(f"{name}: router_input={router_input!r} is not one of {list(ROUTER_INPUTS)}")
         self.gate = gate
         self.threshold = float(threshold)
+        self.sublayers = sublayers
+        self.router_input = router_input
 
     # --- per-layer parts -------------------------------------------------------------------
     def router(self, layer: int) -> nn.Module:
@@ -82,9 +108,20 @@ class Skipper(nn.Module):
                 f"{type(self).__name__}: routed layer indices {bad} are out of range for a model "
                 f"with {num_layers} layers (valid: 0..{num_layers - 1})"
             )
+        with_adapter = [i for i in self.layers if self.sublayers and self.adapter(i) is not None]
+        if with_adapter:
+            raise ValueError(f"{type(self).__name__}: a sublayer skipper has no adapter (a skipped sublayer is the "
+                             f"identity), but adapter({with_adapter[0]}) is a module")
 
     def extra_repr(self) -> str:
         return f"layers={list(self.layers)}, gate={self.gate!r}, threshold={self.threshold}"
+
+
+def check_rate(name: str, field: str, rate) -> float:
+    """A skip rate: a number in [0, 1]."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= float(rate) <= 1.0:
+        raise ValueError(f"{name}: {field}={rate!r} must be a number in [0, 1]")
+    return float(rate)
 
 
 def sanitize_gate(g: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -115,6 +152,12 @@ def project_value(h: torch.Tensor, p: torch.Tensor | None, g: torch.Tensor, soft
     if p is None:
         return h
     return h + (1 - g.unsqueeze(-1).to(h.dtype)) * p if soft else h + p
+
+
+def sublayer_value(h: torch.Tensor, f: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
+    """A sublayer of a sublayer skipper, every row: h + f where it RUNs, h where it skips (the
+    identity: the residual passes through). h, f [..., H]; run [...] bool."""
+    return torch.where(run.unsqueeze(-1), h + f, h)
 
 
 def gate_combine(h, h1, m, p, g, run, valid=None, soft: bool = True) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""RandomSkip and Static: skippers with no learned weights.
+"""RandomSkip, RandomSublayerSkip and Static: skippers with no learned weights.
 
 RandomSkip decides per (seed, layer, position, token id) with an integer hash, so a token's
 route never depends on what else is in the batch. The hash is one round of lowbias32 over
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vskipper.skippers.base import Skipper
+from vskipper.skippers.base import SUBLAYERS, Skipper, check_rate
 
 _M32 = 0xFFFFFFFF
 
@@ -70,10 +70,10 @@ def hash_uniform(seed: int, layer: int, positions: torch.Tensor, token_ids: torc
 
 
 class RandomSkipRouter(nn.Module):
-    def __init__(self, rate: float, layer: int, seed: int) -> None:
+    def __init__(self, rate: float, layer: int, seed: int, key: int | None = None) -> None:
         super().__init__()
         self.rate, self.layer, self.seed = rate, layer, seed
-        self._key = _layer_key(seed, layer)
+        self._key = _layer_key(seed, layer) if key is None else key  # key: a second hash of the same layer
         # u >= rate with u = (h >> 8) / 2**24 in float32 and rate rounded to float32 (how torch
         # compares a float32 tensor with a Python float) <=> h >= ceil(f32(rate) * 2**24) * 2**8:
         # the same decisions as hash_uniform with two fewer ops per layer.
@@ -107,6 +107,45 @@ class RandomSkip(Skipper):
 
     def extra_repr(self) -> str:
         return f"rate={self.rate}, layers={list(self.layers)}, seed={self.seed}"
+
+
+_MLP_SALT = 0x5BD1E995  # any odd 32-bit constant: it only has to make the MLP's key differ from the attention's
+
+
+class RandomSublayerRouter(nn.Module):
+    """RandomSkip's hash, twice: the attention decision with the layer's key (RandomSkip's own), the
+    MLP decision with a second key mixed from it, so the two are independent."""
+
+    def __init__(self, attn_rate: float, mlp_rate: float, layer: int, seed: int) -> None:
+        super().__init__()
+        self.attention = RandomSkipRouter(attn_rate, layer, seed)
+        self.mlp = RandomSkipRouter(mlp_rate, layer, seed, key=_mix32_int(_layer_key(seed, layer) ^ _MLP_SALT))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.attention(x, positions, token_ids), self.mlp(x, positions, token_ids)], -1)  # [T, 2]
+
+
+class RandomSublayerSkip(Skipper):
+    """Each token skips the attention of routed layer l with probability `attn_rate` and, apart from
+    that, its MLP with probability `mlp_rate` (a sublayer skipper: skipped sublayers are the identity,
+    K/V still written). Deterministic and batch-invariant, like RandomSkip: the synthetic sublayer
+    skipper for tests and benchmarks."""
+
+    def __init__(self, attn_rate: float, mlp_rate: float, layers: Iterable[int], seed: int = 0) -> None:
+        super().__init__(layers, gate="hard", threshold=0.5, sublayers=SUBLAYERS)
+        name = type(self).__name__
+        self.attn_rate, self.mlp_rate = check_rate(name, "attn_rate", attn_rate), check_rate(name, "mlp_rate", mlp_rate)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"{name}: seed={seed!r} must be an integer >= 0")
+        self.seed = seed
+        self.routers = nn.ModuleDict({str(l): RandomSublayerRouter(self.attn_rate, self.mlp_rate, l, seed)
+                                      for l in self.layers})
+
+    def router(self, layer: int) -> nn.Module:
+        return self.routers[str(layer)]
+
+    def extra_repr(self) -> str:
+        return f"attn_rate={self.attn_rate}, mlp_rate={self.mlp_rate}, layers={list(self.layers)}, seed={self.seed}"
 
 
 class StaticRouter(nn.Module):

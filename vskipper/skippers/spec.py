@@ -1,6 +1,9 @@
 """Skipper spec strings, parsed in one place.
 
     random:rate=0.5,layers=15-29,seed=0     RandomSkip
+    random:attn_rate=0.5,mlp_rate=0.2,layers=15-29,seed=0
+                                            RandomSublayerSkip: attention and MLP skipped separately
+                                            (a rate left out is 0: that sublayer always runs)
     static:layers=20,22,24-27               Static
     flexidepth:path=/ckpt[,gate=hard]       FlexiDepth.from_pretrained(path)
     flexidepth:name=smollm2-135m-flexidepth a skipper shipped in the package (vskipper/data/skippers/)
@@ -15,11 +18,12 @@ from __future__ import annotations
 from vskipper.skippers.base import Skipper
 
 KINDS = {
-    "random": ("rate", "layers", "seed"),
+    "random": ("rate", "attn_rate", "mlp_rate", "layers", "seed"),
     "static": ("layers",),
     "flexidepth": ("path", "name", "gate", "threshold"),
 }
-REQUIRED = {"random": ("rate", "layers"), "static": ("layers",), "flexidepth": ()}
+REQUIRED = {"random": ("layers",), "static": ("layers",), "flexidepth": ()}
+SUBLAYER_RATES = ("attn_rate", "mlp_rate")
 
 
 MAX_LAYER = 4096  # no model has more layers; bounds what a spec can make us allocate
@@ -79,6 +83,14 @@ def split_spec(spec: str) -> tuple[str, dict[str, str]]:
     missing = [k for k in REQUIRED[kind] if k not in fields]
     if missing:
         raise ValueError(f"skipper spec {spec!r}: missing field(s) {missing} for {kind}")
+    if kind == "random":
+        sub = [k for k in SUBLAYER_RATES if k in fields]
+        if "rate" in fields and sub:
+            raise ValueError(f"skipper spec {spec!r}: rate= (whole layers) and {sub[0]}= (attention and MLP "
+                             f"separately) cannot both be given; give one kind")
+        if "rate" not in fields and not sub:
+            raise ValueError(f"skipper spec {spec!r}: random needs rate= (whole layers) or attn_rate=/mlp_rate= "
+                             f"(attention and MLP separately)")
     if kind == "flexidepth" and ("path" in fields) == ("name" in fields):
         raise ValueError(f"skipper spec {spec!r}: flexidepth needs exactly one of path=DIR or name=SHIPPED")
     return kind, fields
@@ -95,10 +107,16 @@ def _number(spec: str, key: str, value: str, kind=float):
 def parse_skipper(spec: str) -> Skipper:
     """Build a skipper from a spec string (see the module docstring)."""
     from vskipper.skippers.flexidepth import FlexiDepth
-    from vskipper.skippers.random_skip import RandomSkip, Static
+    from vskipper.skippers.random_skip import RandomSkip, RandomSublayerSkip, Static
 
     kind, f = split_spec(spec)
     try:
+        if kind == "random" and "rate" not in f:
+            return RandomSublayerSkip(
+                *(_number(spec, k, f.get(k, "0")) for k in SUBLAYER_RATES),
+                parse_layers(f["layers"], spec),
+                seed=_number(spec, "seed", f.get("seed", "0"), int),
+            )
         if kind == "random":
             return RandomSkip(
                 _number(spec, "rate", f["rate"]),

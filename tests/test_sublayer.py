@@ -1,0 +1,222 @@
+"""Sublayer skippers (attention and MLP decided separately, SkipGPT-style) against the eager reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vskipper
+from vskipper.reference import reference_forward, reference_generate
+from vskipper.skippers.base import SUBLAYERS, Skipper
+from vskipper.skippers.random_skip import hash_uniform
+
+from helpers import NEW_TOKENS, assert_close, assert_equal, fast_decisions, greedy, left_pad, prompts
+from tiny import record_routes, tiny_llama, tiny_qwen3, transformed
+
+FAMILIES = {"llama": tiny_llama, "qwen3": tiny_qwen3}
+BODIES = ("dense", "routed", "routed-mlp", "auto")
+RATES = {"both": (0.5, 0.5), "attention only": (0.5, 0.0), "mlp only": (0.0, 0.5)}
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """execution="auto" reads this test's own (empty) cache, never the machine's calibrations."""
+    monkeypatch.setenv("VSKIPPER_CACHE", str(tmp_path / "cache"))
+
+
+class ResidualRouter(torch.nn.Module):
+    """A float router over the layer's input h, as SkipGPT's: gates [..., 2] = sigmoid(h @ w), NaN for
+    token ids divisible by 7 (that sublayer then RUNs)."""
+
+    def __init__(self, hidden: int, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = torch.nn.Linear(hidden, 2, bias=False)
+        torch.nn.init.normal_(self.proj.weight, 0, 3.0)
+
+    def forward(self, h, positions, token_ids):
+        g = torch.sigmoid(self.proj(h))  # [..., 2]
+        return torch.where((token_ids % 7 == 0).unsqueeze(-1), torch.full_like(g, math.nan), g)
+
+
+class ResidualSublayerSkip(Skipper):
+    def __init__(self, layers, hidden: int) -> None:
+        super().__init__(layers, gate="hard", sublayers=SUBLAYERS, router_input="residual")
+        self.routers = torch.nn.ModuleDict({str(l): ResidualRouter(hidden, l) for l in self.layers})
+
+    def router(self, layer):
+        return self.routers[str(layer)]
+
+
+def _check_against_reference(base, sk, body, lengths=(5, 11, 1)):
+    """Greedy tokens, route decisions and logits of each prompt equal the reference's; returns the
+    reference decisions of the last prompt."""
+    for p in prompts(lengths):
+        m = transformed(base, sk, body)
+        calls = record_routes(m)
+        out = greedy(m, p[None])[0]
+        ref_tokens, ref_dec = reference_generate(base, sk, p, NEW_TOKENS)
+        for l in sk.layers:
+            assert_equal(fast_decisions(calls, l), ref_dec[l], f"route decisions, layer {l}")
+        assert_equal(out, ref_tokens, f"greedy tokens ({len(p)}-token prompt)")
+        with torch.no_grad():
+            logits = m(ref_tokens[None]).logits[0]
+        assert_close(logits, reference_forward(base, sk, ref_tokens)[0], "logits")
+    return ref_dec
+
+
+@pytest.mark.parametrize("family, rates", [("llama", "both"), ("qwen3", "both"), ("llama", "attention only"),
+                                           ("qwen3", "mlp only")])
+@pytest.mark.parametrize("body", BODIES)
+def test_random_sublayers_match_reference(family, body, rates):
+    base = FAMILIES[family]()
+    attn_rate, mlp_rate = RATES[rates]
+    sk = vskipper.RandomSublayerSkip(attn_rate, mlp_rate, [1, 3, 4, 5], seed=2)
+    dec = torch.cat(list(_check_against_reference(base, sk, body).values()))  # [n, 2]
+    for col, rate in enumerate(RATES[rates]):  # the routes exercised: some skip where the rate says so
+        skipped = int((~dec[:, col]).sum())
+        assert (0 < skipped < dec.shape[0]) if rate else skipped == 0, (SUBLAYERS[col], skipped, dec.shape)
+    with torch.no_grad():  # and skipping changes the model's function
+        ids = prompts((9,))[0][None]
+        assert not torch.equal(transformed(base, sk, body)(ids).logits, base(ids).logits)
+
+
+@pytest.mark.parametrize("body", ["dense", "routed", "routed-mlp"])
+def test_residual_router_with_nonfinite_gates_matches_reference(body):
+    """A float router that reads the layer's input h (router_input "residual"): decisions and tokens
+    as the reference; NaN gates RUN that sublayer and are counted."""
+    base = tiny_llama()
+    sk = ResidualSublayerSkip([0, 2, 5], base.config.hidden_size)
+    dec = torch.cat(list(_check_against_reference(base, sk, body, (12, 3)).values()))
+    assert 0 < int((~dec).sum()) < dec.numel()
+    m = transformed(base, sk, body)
+    ids = torch.tensor([[7, 14, 3, 5, 21, 9, 70, 11]])
+    with torch.no_grad():
+        m(ids)
+    for l, s in vskipper.stats(m).items():
+        assert s["nonfinite"] == 4 and s["tokens"] == 8, (l, s)
+        assert s["attention_run"] >= 4 and s["mlp_run"] >= 4, (l, s)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("body", ["dense", "routed", "routed-mlp"])
+def test_sublayers_match_reference_padded_batch(family, body):
+    base = FAMILIES[family]()
+    sk = vskipper.RandomSublayerSkip(0.4, 0.6, [0, 2, 5], seed=5)
+    seqs = prompts((7, 2, 12, 5))
+    ids, mask = left_pad(seqs)
+    m = transformed(base, sk, body)
+    calls = record_routes(m)
+    out = greedy(m, ids, mask)
+    for b, p in enumerate(seqs):
+        ref_tokens, ref_dec = reference_generate(base, sk, p, NEW_TOKENS)
+        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
+        for l in sk.layers:
+            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("body", BODIES)
+def test_rates_zero_is_the_base_model(family, body):
+    base = FAMILIES[family]()
+    m = transformed(base, vskipper.parse_skipper("random:attn_rate=0,mlp_rate=0,layers=1,2,4"), body)
+    ids, mask = left_pad(prompts())
+    valid = mask.bool()
+    with torch.no_grad():
+        assert_equal(m(ids, attention_mask=mask).logits[valid], base(ids, attention_mask=mask).logits[valid], "logits")
+    assert_equal(greedy(m, ids, mask, 12), greedy(base, ids, mask, 12), "greedy tokens")
+    st = vskipper.stats(m)
+    assert all(s["attention_run"] == s["mlp_run"] == s["tokens"] > 0 for s in st.values()), st
+
+
+def test_stats_count_each_sublayer_as_the_reference_decides():
+    base = tiny_llama()
+    sk = vskipper.RandomSublayerSkip(0.3, 0.6, [1, 4], seed=1)
+    m = transformed(base, sk, "routed")
+    with torch.no_grad():
+        for p in prompts((6, 13)):
+            m(p[None])
+    st = vskipper.stats(m, reset=True)
+    for l in sk.layers:
+        dec = torch.cat([reference_forward(base, sk, p)[1][l] for p in prompts((6, 13))])  # [19, 2]
+        assert st[l] == dict(tokens=19, attention_run=int(dec[:, 0].sum()), attention_skip=int((~dec[:, 0]).sum()),
+                             mlp_run=int(dec[:, 1].sum()), mlp_skip=int((~dec[:, 1]).sum()), nonfinite=0), st[l]
+    assert all(s["tokens"] == 0 for s in vskipper.stats(m).values())
+
+
+def test_random_sublayer_rates_are_independent():
+    pos, ids = torch.arange(20000), torch.randint(0, 50000, (20000,))
+    run = vskipper.RandomSublayerSkip(0.3, 0.6, [3], seed=9).router(3)(None, pos, ids)  # [T, 2] bool
+    assert run.dtype == torch.bool and run.shape == (20000, 2)
+    skip = (~run).float()
+    assert abs(skip[:, 0].mean() - 0.3) < 0.02 and abs(skip[:, 1].mean() - 0.6) < 0.02
+    assert abs((skip[:, 0] * skip[:, 1]).mean() - 0.18) < 0.02  # independent columns
+    assert_equal(run[:, 0], hash_uniform(9, 3, pos, ids) >= 0.3, "attention: RandomSkip's own decisions")
+
+
+def test_explain_names_the_sublayer_bodies():
+    base = tiny_llama()
+    sk = vskipper.RandomSublayerSkip(0.5, 0.5, [1, 2])
+    for body, what in (("dense", "dense-masked sublayers"), ("routed", "routed sublayers"),
+                       ("routed-mlp", "routed-mlp sublayers")):
+        text = vskipper.explain(transformed(base, sk, body))
+        assert "RandomSublayerSkip(attn_rate=0.5, mlp_rate=0.5" in text and f"layers 1-2: {what}" in text, text
+    text = vskipper.explain(transformed(base, sk, "routed", static_shapes=True))
+    assert "dense-masked sublayers" in text and "no fixed-shape sublayer body yet" in text, text
+
+
+# --- specs and the contract: bad input refused with its message ---------------------------------
+def test_sublayer_spec_strings():
+    sk = vskipper.parse_skipper("random:attn_rate=0.5,mlp_rate=0.25,layers=1-3,seed=4")
+    assert isinstance(sk, vskipper.RandomSublayerSkip) and sk.sublayers == ("attention", "mlp")
+    assert (sk.attn_rate, sk.mlp_rate, sk.layers, sk.seed) == (0.5, 0.25, (1, 2, 3), 4)
+    assert (vskipper.parse_skipper("random:attn_rate=0.5,layers=2").mlp_rate,
+            vskipper.parse_skipper("random:mlp_rate=0.5,layers=2").attn_rate) == (0.0, 0.0)
+    assert vskipper.parse_skipper("random:rate=0.5,layers=2").sublayers == ()
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("random:attn_rate=x,layers=1", "attn_rate='x' is not a number"),
+    ("random:attn_rate=0.5,mlp_rate=1.5,layers=1", r"mlp_rate=1.5 must be a number in \[0, 1\]"),
+    ("random:attn_rate=nan,layers=1", r"attn_rate=nan must be a number in \[0, 1\]"),
+    ("random:rate=0.5,attn_rate=0.5,layers=1", "rate= .* and attn_rate= .* cannot both be given"),
+    ("random:layers=1", "random needs rate= .* or attn_rate=/mlp_rate="),
+    ("random:mlp_rate=0.5,mlp_rate=0.1,layers=1", "field 'mlp_rate' given twice"),
+    ("random:attn_rate=0.5,layers=1,seed=-1", "seed=-1 must be an integer >= 0"),
+    ("random:attn_rate=0.5", r"missing field\(s\) \['layers'\]"),
+    ("random:attn_rates=0.5,layers=1", "unknown field 'attn_rates'"),
+])
+def test_bad_sublayer_specs(spec, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        vskipper.parse_skipper(spec)
+    assert "skipper spec" in str(e.value)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(sublayers=("mlp",)), r"sublayers=\('mlp',\) must be \(\) .* or \('attention', 'mlp'\)"),
+    (dict(sublayers=("attention", "mlp", "mlp")), "sublayers=.* must be"),
+    (dict(sublayers=3), r"sublayers=\(3,\) must be"),
+    (dict(sublayers=SUBLAYERS, gate="soft"), "a sublayer skipper is hard-gated"),
+    (dict(router_input="hidden"), r"router_input='hidden' is not one of \['normed', 'residual'\]"),
+])
+def test_bad_sublayer_contract(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Skipper([1], **{"gate": "hard", **kw})
+
+
+def test_a_sublayer_skipper_with_an_adapter_is_refused():
+    class WithAdapter(ResidualSublayerSkip):
+        def adapter(self, layer):
+            return torch.nn.Identity()
+
+    base = tiny_llama()
+    with pytest.raises(ValueError, match=r"WithAdapter: a sublayer skipper has no adapter .* adapter\(1\) is a module"):
+        vskipper.transform(base, WithAdapter([1], base.config.hidden_size))
+
+
+def test_inputs_embeds_with_random_sublayers_is_refused():
+    m = transformed(tiny_llama(), vskipper.RandomSublayerSkip(0.5, 0.5, [1]), "dense")
+    with pytest.raises(ValueError, match="RandomSkip needs token ids and positions"):
+        m(inputs_embeds=torch.randn(1, 3, 40))
+
