@@ -1,7 +1,10 @@
 """Sublayer skippers (attention and MLP decided separately, SkipGPT-style) against the eager reference."""
 from __future__ import annotations
 
+import copy
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -220,3 +223,137 @@ def test_inputs_embeds_with_random_sublayers_is_refused():
     with pytest.raises(ValueError, match="RandomSkip needs token ids and positions"):
         m(inputs_embeds=torch.randn(1, 3, 40))
 
+
+# --- SkipGPT checkpoints ------------------------------------------------------------------------
+LORA_TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj")  # SkipGPT's post_training stage
+
+
+def _skipgpt_checkpoint(path, base, layers=None, lora=(4, 8.0), peft=True, seed=3):
+    """A tiny checkpoint in SkipGPT's layout, written as its code names the tensors: the base layers under
+    `.block.`, random routers, and (lora=(r, alpha)) LoRA on LORA_TARGETS in PEFT's naming. Returns (the
+    base model with the LoRA merged by hand, the skipper)."""
+    from vskipper.models.checkpoint import save_tensors
+    from vskipper.skippers.skipgpt import SkipGPT
+
+    torch.manual_seed(seed)
+    c = base.config
+    sk = SkipGPT(list(range(c.num_hidden_layers)) if layers is None else layers, c.hidden_size)
+    with torch.no_grad():
+        for p in sk.parameters():
+            p.normal_(0, 0.5)
+    merged = copy.deepcopy(base)
+    tensors = {}
+    for key, w in base.state_dict().items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", key)
+        if m is None:
+            tensors[key] = w
+            continue
+        name = f"model.layers.{m.group(1)}.block.{m.group(2)}"
+        if lora is None or m.group(2) not in LORA_TARGETS:
+            tensors[name + ".weight"] = w
+            continue
+        r, alpha = lora
+        a, b = torch.randn(r, w.shape[1]) * 0.3, torch.randn(w.shape[0], r) * 0.3
+        tensors.update({name + ".base_layer.weight": w, name + ".lora_A.default.weight": a,
+                        name + ".lora_B.default.weight": b})
+        merged.get_parameter(key).data += alpha / r * b @ a
+    tensors.update(sk.skipgpt_state_dict())
+    if peft:
+        tensors = {"base_model.model." + k: v for k, v in tensors.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(c.to_dict(), architectures=["SkipGPTLlamaForCausalLM"])
+    cfg["skipgpt"] = ({} if layers is None else {"layers": layers}) | ({} if lora is None else
+                                                                       {"lora": {"r": lora[0], "lora_alpha": lora[1]}})
+    (path / "config.json").write_text(json.dumps(cfg, default=str))
+    save_tensors(tensors, path / "model.safetensors")
+    return merged, sk
+
+
+@pytest.mark.parametrize("body", ["dense", "routed"])
+def test_skipgpt_checkpoint_with_lora_matches_reference(tmp_path, body):
+    base = tiny_llama()
+    merged, sk = _skipgpt_checkpoint(tmp_path / "ckpt", base)
+    m = vskipper.from_pretrained(tmp_path / "ckpt", vskipper.Config(execution=body))
+    assert isinstance(m.vskipper.skipper, vskipper.SkipGPT) and m.vskipper.skipper.layers == tuple(range(6))
+    calls = record_routes(m)
+    for p in prompts((5, 11)):
+        for v in calls.values():
+            v.clear()
+        out = greedy(m, p[None])[0]
+        ref_tokens, ref_dec = reference_generate(merged, sk, p, NEW_TOKENS)
+        for l in sk.layers:
+            assert_equal(fast_decisions(calls, l), ref_dec[l], f"route decisions, layer {l}")
+        assert_equal(out, ref_tokens, "greedy tokens")
+    dec = torch.cat(list(ref_dec.values()))
+    assert 0 < int((~dec[:, 0]).sum()) < len(dec) and 0 < int((~dec[:, 1]).sum()) < len(dec), dec.float().mean(0)
+
+
+def test_skipgpt_lora_is_merged_as_peft_applies_it(tmp_path):
+    """The merged weight computes what PEFT's unmerged LoRA layer does at evaluation:
+    x W^T + (alpha / r) (x A^T) B^T; and the router's gates are SkipGPT's formula."""
+    from safetensors.torch import load_file
+
+    base = tiny_llama()
+    _skipgpt_checkpoint(tmp_path / "ckpt", base, lora=(4, 8.0))
+    t = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    m = vskipper.from_pretrained(tmp_path / "ckpt")
+    x = torch.randn(7, base.config.hidden_size)
+    pre = "base_model.model.model.layers.2.block."
+    for target in LORA_TARGETS:
+        w, a, b = (t[f"{pre}{target}.{k}"] for k in ("base_layer.weight", "lora_A.default.weight",
+                                                     "lora_B.default.weight"))
+        with torch.no_grad():
+            assert_close(m.model.layers[2].get_submodule(target)(x), x @ w.T + 2.0 * (x @ a.T) @ b.T, target)
+    assert_equal(m.model.layers[2].self_attn.k_proj.weight, t[pre + "self_attn.k_proj.weight"], "k_proj untouched")
+    r = "base_model.model.model.layers.2.router_mlp."
+    logits = torch.relu(x @ t[r + "hidden_layer.weight"].T + t[r + "hidden_layer.bias"]) @ \
+        t[r + "weight_predictor.weight"].T + t[r + "weight_predictor.bias"]
+    with torch.no_grad():
+        assert_close(m.vskipper.skipper.router(2)(x)[:, 1], torch.softmax(logits, -1)[:, 0], "MLP gate")
+
+
+def test_skipgpt_router_only_checkpoint_some_layers(tmp_path):
+    """SkipGPT's first stage (routers only, no PEFT prefix, no LoRA), routing layers 1 and 3."""
+    base = tiny_llama()
+    merged, sk = _skipgpt_checkpoint(tmp_path / "ckpt", base, layers=[3, 1], lora=None, peft=False)
+    m = vskipper.from_pretrained(tmp_path / "ckpt", vskipper.Config(execution="routed"))
+    assert m.vskipper.skipper.layers == (1, 3)
+    p = prompts((9,))[0]
+    assert_equal(greedy(m, p[None])[0], reference_generate(base, sk, p, NEW_TOKENS)[0], "greedy tokens")
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda cfg, t: t.pop("model.layers.1.router_mlp.weight_predictor.bias"),
+     r"missing router tensor 'model.layers.1.router_mlp.weight_predictor.bias' \(expected shape \[2\]\)"),
+    (lambda cfg, t: t.update({"model.layers.1.router_attention.hidden_layer.weight": torch.zeros(3, 40)}),
+     r"router tensor 'model.layers.1.router_attention.hidden_layer.weight' has shape \[3, 40\], expected \[10, 40\]"),
+    (lambda cfg, t: cfg["skipgpt"].pop("lora"), r"LoRA tensors for .* but config.json has no skipgpt.lora"),
+    (lambda cfg, t: cfg["skipgpt"].update(lora={"r": 4}), r"skipgpt.lora=\{'r': 4\} must be"),
+    (lambda cfg, t: cfg["skipgpt"]["lora"].update(r=5), r"lora_A \[4, 40\], lora_B \[.*\] do not fit .* at r=5"),
+    (lambda cfg, t: t.pop("model.layers.0.block.self_attn.q_proj.lora_B.default.weight"),
+     r"LoRA module 'model.layers.0.self_attn.q_proj' has no lora_B weight"),
+    (lambda cfg, t: cfg["skipgpt"].update(layers=[1, 9]), r"routed layer indices \[9\] are out of range"),
+    (lambda cfg, t: cfg["skipgpt"].update(layers=[1]), "router weights for layer 0, which skipgpt.layers does not"),
+    (lambda cfg, t: cfg["skipgpt"].update(depth=3), "skipgpt.depth is not a field"),
+    (lambda cfg, t: cfg.update(architectures=["SkipGPTLlama"]), "architectures=.* expected"),
+])
+def test_bad_skipgpt_checkpoints(tmp_path, edit, msg):
+    from vskipper.models.checkpoint import load_tensors, save_tensors
+    from vskipper.skippers.skipgpt import load_skipgpt
+
+    d = tmp_path / "ckpt"
+    _skipgpt_checkpoint(d, tiny_llama(), peft=False)
+    cfg, t = json.loads((d / "config.json").read_text()), load_tensors(d)
+    edit(cfg, t)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_tensors(t, d / "model.safetensors")
+    with pytest.raises(ValueError, match=msg):
+        load_skipgpt(d)
+
+
+def test_pickled_skipgpt_weights_are_refused(tmp_path):
+    d = tmp_path / "ckpt"
+    _skipgpt_checkpoint(d, tiny_llama())
+    (d / "model.safetensors").rename(d / "model.pth")
+    with pytest.raises(ValueError, match=r"holds only pickled weights \['model.pth'\]; vskipper loads safetensors"):
+        vskipper.from_pretrained(d)

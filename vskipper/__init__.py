@@ -9,7 +9,7 @@
 from vskipper._version import __version__  # noqa: F401  (vskipper.__version__)
 from vskipper.api import explain, from_pretrained, stats, transform
 from vskipper.config import Config
-from vskipper.skippers import FlexiDepth, RandomSkip, RandomSublayerSkip, Skipper, Static, parse_skipper
+from vskipper.skippers import FlexiDepth, RandomSkip, RandomSublayerSkip, SkipGPT, Skipper, Static, parse_skipper
 
 __all__ = [
     # verbs
@@ -24,6 +24,7 @@ __all__ = [
     "FlexiDepth",
     "RandomSkip",
     "RandomSublayerSkip",
+    "SkipGPT",
     "Static",
     "parse_skipper",
 ]

@@ -193,12 +193,18 @@ def from_pretrained(path, config: Config | None = None, dtype: torch.dtype = tor
     The directory holds config.json with architectures ["DDLlamaForCausalLM"] or
     ["DDQwen3ForCausalLM"], routing_layers, optional gate_mode (default soft for DDLlama, hard
     for DDQwen3), router_reduction_factor / proj_reduction_factor (default 16), and safetensors
-    weights in the FlexiDepth key layout. Pickled weights are refused; no remote code runs."""
+    weights in the FlexiDepth key layout; or architectures ["SkipGPTLlamaForCausalLM"] and SkipGPT's
+    key layout (vskipper/skippers/skipgpt.py: its routers, LoRA merged). Pickled weights are refused; no
+    remote code runs."""
     from vskipper.models.checkpoint import load_tensors, read_config, skipper_fields
     from vskipper.models.hf_loader import build_base_model
     from vskipper.skippers.flexidepth import FlexiDepth
+    from vskipper.skippers.skipgpt import ARCHITECTURE, load_skipgpt
 
     cfg = read_config(path)
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs[:1] == [ARCHITECTURE]:
+        return transform(*load_skipgpt(path, dtype), config)
     f = skipper_fields(cfg, path)
     skipper = FlexiDepth.from_fields(f)
     tensors = load_tensors(path)
