@@ -166,7 +166,30 @@ def test_explain_names_the_sublayer_bodies():
         text = vskipper.explain(transformed(base, sk, body))
         assert "RandomSublayerSkip(attn_rate=0.5, mlp_rate=0.5" in text and f"layers 1-2: {what}" in text, text
     text = vskipper.explain(transformed(base, sk, "routed", static_shapes=True))
-    assert "dense-masked sublayers" in text and "no fixed-shape sublayer body yet" in text, text
+    assert "layers 1-2: routed-mlp sublayers (attention for every row, a mask selects; the MLP for its rows only), " \
+           "fixed shapes (torch ops; no host sync)" in text and "HFAttention has no fixed-shape masked" in text, text
+    assert "does not time sublayer bodies" in vskipper.explain(transformed(base, sk, "auto"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("body", ["routed", "routed-mlp"])
+def test_fixed_shape_sublayer_body_matches_reference_without_host_sync(family, body):
+    """The graph-safe form: fixed shapes, the MLP's rows from route maps of its own decisions, grouped
+    SwiGLU, no host sync at decode (guarded); padded batches, greedy tokens and routes as the reference."""
+    base = FAMILIES[family]()
+    sk = vskipper.RandomSublayerSkip(0.4, 0.6, [1, 3, 4], seed=7)
+    seqs = prompts((6, 3, 9))
+    ids, mask = left_pad(seqs)
+    m = transformed(base, sk, body, static_shapes=True, check_sync=True)  # decode steps are guarded
+    maps = [n for n in m.vskipper.graphs[0].graph.nodes if n.meta.get("vskipper", {}).get("role") == "route_maps"]
+    assert len(maps) == 3 and all(n.args[0].target is torch.select and n.args[0].args[1:] == (-1, 1) for n in maps)
+    calls = record_routes(m)
+    out = greedy(m, ids, mask, 12)
+    for b, p in enumerate(seqs):
+        ref_tokens, ref_dec = reference_generate(base, sk, p, 12)
+        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
+        for l in sk.layers:
+            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
 
 
 # --- specs and the contract: bad input refused with its message ---------------------------------

@@ -20,7 +20,9 @@ A sublayer skipper's layers (g, run [..., 2]: attention, MLP; skippers/base.py) 
   SublayerDenseBody   "dense": every row through attention and MLP; per sublayer a mask selects;
   SublayerRoutedBody  "routed": the attention's RUN rows gathered through attention (K/V written for
                       every row), then the MLP's RUN rows through the MLP, dynamic shapes;
-                      "routed-mlp": attention for every row (a mask selects), the MLP routed.
+                      "routed-mlp": attention for every row (a mask selects), the MLP routed;
+  FixedSublayerBody   the same two kinds with fixed shapes, device-side counts and vskipper's grouped
+                      ops (no host sync: CUDA graphs); its route maps are the MLP's (run[..., 1]).
 The bodies reach the engine only through the parts of vskipper/engines/parts.py. Shapes: T = rows,
 n = gathered rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
 """
@@ -304,18 +306,63 @@ class SublayerRoutedBody(Body):
         return f"{what}, dynamic shapes (torch; counts read on the host)"
 
 
-def make_sublayer_body(plan: Plan) -> tuple[Body, str]:
-    """The body of one routed layer of a sublayer skipper and why. Dense-masked, the always-correct
-    form, wherever no routed sublayer body exists yet: under fixed shapes (CUDA graphs) and for auto
-    (the cost model does not time sublayer bodies)."""
+class FixedSublayerBody(Body):
+    """A sublayer skipper's routed form with fixed shapes, device-side counts and vskipper's grouped ops:
+    no host sync (CUDA graphs). Kind "routed" attends for the attention's rows with the engine's masked
+    attention (AttentionPart.masks_rows; other rows get zeros, so h + 0 = h); "routed-mlp" attends for
+    every row and a mask selects. The MLP runs for the MLP's rows through the grouped SwiGLU, from the
+    route maps of the MLP's decisions (RoutePass gives this body route_maps(run[..., 1], valid))."""
+
+    needs_maps = True
+
+    def __init__(self, kind: str, impl: str, tuned: bool = True) -> None:
+        self.name = _kind(kind)
+        self.impl = self.maps_impl = impl
+        self.tuned = tuned
+
+    def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        mlp_rows, _, counts = maps  # the MLP's RUN rows first, counts[0] of them
+        H = h.shape[-1]
+        hf = h.reshape(-1, H)  # [T, H]
+        ran = (run & valid.unsqueeze(-1)).reshape(-1, 2)  # [T, 2]
+        if self.name == "routed":
+            h1 = hf + layer.attention.attend_masked(x, ran[:, 0], ctx, self.impl, self.tuned).reshape(-1, H)
+        else:
+            h1 = sublayer_value(hf, layer.attention.attend_all(x, ctx).reshape(-1, H), ran[:, 0])
+        mlp = layer.mlp
+        if not mlp.partial_sums:
+            out = h1.clone()
+            ops.grouped_swiglu_(out, h1, layer.post_norm(h1), mlp_rows, counts[0:1], *mlp.swiglu_weights(), None,
+                                impl=self.impl, tuned=self.tuned)
+        else:  # tensor parallel: this rank's MLP shard gives a partial sum; complete it, then add the residual
+            acc = torch.zeros_like(hf)
+            ops.grouped_swiglu_(acc, acc, layer.post_norm(h1), mlp_rows, counts[0:1], *mlp.swiglu_weights(), None,
+                                impl=self.impl, tuned=self.tuned)
+            out = torch.where(ran[:, 1:], h1 + mlp.rank_sum(acc), h1)
+        return out.view_as(h)
+
+    def describe(self) -> str:
+        what = ("routed-mlp sublayers (attention for every row, a mask selects; the MLP for its rows only)"
+                if self.name == "routed-mlp" else "routed sublayers (attention for its rows, the MLP for its rows)")
+        return f"{what}, fixed shapes ({self.impl} ops; no host sync)"
+
+
+def make_sublayer_body(plan: Plan, attention: AttentionPart) -> tuple[Body, str]:
+    """The body of one routed layer of a sublayer skipper and why. `auto` runs dense-masked, the
+    always-correct form: the cost model does not time sublayer bodies yet. A fixed-shape "routed" body
+    needs an attention part that masks rows; where the engine has none, the layer runs "routed-mlp"."""
     if plan.execution == "dense":
         return SublayerDenseBody(), "execution='dense'"
     if plan.execution == "auto":
         return SublayerDenseBody(), "execution='auto': the cost model does not time sublayer bodies yet"
-    if plan.fixed_shapes:
-        return SublayerDenseBody(), (f"execution={plan.execution!r}, {plan.shapes}: no fixed-shape sublayer body "
-                                     f"yet, so dense-masked")
-    return SublayerRoutedBody(plan.execution), f"execution={plan.execution!r}, {plan.shapes}"
+    why = f"execution={plan.execution!r}, {plan.shapes}"
+    if not plan.fixed_shapes:
+        return SublayerRoutedBody(plan.execution), why
+    if plan.execution == "routed" and not attention.masks_rows:
+        return (FixedSublayerBody("routed-mlp", plan.impl, plan.tuned_kernels),
+                f"{why}, impl={plan.impl!r}; {type(attention).__name__} has no fixed-shape masked attention, so "
+                f"attention runs for every row")
+    return FixedSublayerBody(plan.execution, plan.impl, plan.tuned_kernels), f"{why}, impl={plan.impl!r}"
 
 
 def routed_body(plan: Plan, kind: str) -> Body:
@@ -327,7 +374,7 @@ def make_body(plan: Plan, attention: AttentionPart, sublayers: bool = False) -> 
     an attention part that masks rows; where the engine has none (transformers), the layer runs
     "routed-mlp" and the reason says so. A sublayer skipper's layer: make_sublayer_body."""
     if sublayers:
-        return make_sublayer_body(plan)
+        return make_sublayer_body(plan, attention)
     if plan.execution == "dense":
         return DenseBody(), "execution='dense'"
     no_mask = plan.fixed_shapes and not attention.masks_rows

@@ -7,12 +7,14 @@ Each routed layer comes with its body, already chosen (routed_layer.make_body); 
 it (node.meta["vskipper"]["body"]) and carries a route-maps node, in the ops implementation the
 body names, only where the body needs one. The router reads x = input_layernorm(h), or the layer's
 input h where the skipper says so (router_input "residual": SkipGPT); a sublayer skipper's decisions
-([..., 2]: attention, MLP) go to its routed layer as they are."""
+([..., 2]: attention, MLP) go to its routed layer as they are, and its route maps (for the bodies that
+take them) are the MLP's."""
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
 
+import torch
 from torch import fx, nn
 
 from vskipper import ops
@@ -77,9 +79,11 @@ class RoutePass(Pass):
                 gate = g.call_function(operator.getitem, (dec, 0))
                 run = g.call_function(operator.getitem, (dec, 1))
                 bad = g.call_function(operator.getitem, (dec, 2))
-                maps = (g.call_function(ops.route_maps, (run, ph["valid"]),
-                                        {"impl": body.maps_impl, "tuned": body.tuned})
-                        if body.needs_maps else None)
+                maps = None
+                if body.needs_maps:  # a sublayer skipper's route maps are its MLP's
+                    mask = g.call_function(torch.select, (run, -1, 1)) if self.skipper.sublayers else run
+                    maps = g.call_function(ops.route_maps, (mask, ph["valid"]),
+                                           {"impl": body.maps_impl, "tuned": body.tuned})
                 g.call_module(f"counters.{i}", (run, ph["valid"], bad))
                 out = g.call_module(f"routed.{i}", (h, x, gate, run, ph["valid"], maps), dict(node.kwargs))
             for n, role in ((x, "input_norm"), (raw, "router"), (decide, "decide"),
