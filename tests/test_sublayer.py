@@ -331,8 +331,30 @@ def test_skipgpt_lora_is_merged_as_peft_applies_it(tmp_path):
     r = "base_model.model.model.layers.2.router_mlp."
     logits = torch.relu(x @ t[r + "hidden_layer.weight"].T + t[r + "hidden_layer.bias"]) @ \
         t[r + "weight_predictor.weight"].T + t[r + "weight_predictor.bias"]
+    logits[0] = torch.tensor([1.5, 1.5])  # a tie: argmax picks "execute"
     with torch.no_grad():
-        assert_close(m.vskipper.skipper.router(2)(x)[:, 1], torch.softmax(logits, -1)[:, 0], "MLP gate")
+        router = m.vskipper.skipper.router(2).router_mlp
+        d = router(x)[1:]
+        assert_equal(d, logits[1:, 0] >= logits[1:, 1], "MLP decisions: SkipGPT's argmax")
+        assert 0 < int(d.sum()) < len(d), d  # both decisions occur
+        router.logits = lambda h: torch.tensor([[1.5, 1.5], [math.nan, 0.0], [-1.0, 0.0]])
+        assert router(x).tolist() == [True, True, False]  # a tie RUNs, a NaN RUNs
+
+
+def test_skipgpt_routers_stay_float32_in_a_bf16_model(tmp_path):
+    """SkipGPT runs its routers in fp32 on a bf16 model (inputs to fp32, logits back to bf16): so do we."""
+    base = tiny_llama()
+    _skipgpt_checkpoint(tmp_path / "ckpt", base)
+    m = vskipper.from_pretrained(tmp_path / "ckpt", vskipper.Config(execution="routed"), dtype=torch.bfloat16)
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in m.vskipper.skipper.parameters()} == {torch.float32}
+    with torch.no_grad():
+        h = torch.randn(3, 40, dtype=torch.bfloat16)
+        tr = m.vskipper.skipper.router(1).router_attention
+        expected = tr.weight_predictor(torch.relu(tr.hidden_layer(h.float()))).to(torch.bfloat16)
+        assert_equal(tr(h), ~(expected[:, 1] > expected[:, 0]), "decisions from bf16 logits of fp32 routers")
+        out = greedy(m, prompts((6,))[0][None], n=4)
+    assert out.shape == (1, 10) and sum(s["tokens"] for s in vskipper.stats(m).values()) > 0
 
 
 def test_skipgpt_router_only_checkpoint_some_layers(tmp_path):

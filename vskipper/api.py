@@ -70,7 +70,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None, 
              model inside SGLang); anything else raises TypeError naming the supported classes.
     skipper: a `vskipper.Skipper` (FlexiDepth, RandomSkip, Static, ...); its routed layer indices
              must exist in the model (ValueError otherwise). It is moved to the model's device
-             and dtype and attached as `model.vskipper.skipper`.
+             and dtype (or its own `router_dtype`) and attached as `model.vskipper.skipper`.
     config:  `vskipper.Config(execution="auto" | "dense" | "routed" | "routed-mlp", impl=...)`; every choice
              computes the same function. "auto" uses the cost model measured by `vskipper calibrate`
              on this device; with no calibration it runs dense-masked and warns once.
@@ -100,7 +100,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None, 
     hidden, dtype, device = model.config.hidden_size, p.dtype, p.device
     skipper.check_model(len(layers), hidden)
     stacks = family.make_stacks(model, skipper.layers)
-    skipper.to(device=device, dtype=dtype)
+    skipper.to(device=device, dtype=skipper.router_dtype or dtype)
     plan = resolve_plan(config, device, hidden, getattr(model.config, "intermediate_size", hidden), dtype,
                         skipper.expected_run_fraction)
     state = VSkipperState(skipper, config, family, device, plan).to(device)

@@ -26,6 +26,9 @@ at every layer, whether it runs the attention or not: later tokens attend to it 
 (SkipGPT's own code computes attention for every token and zeroes the output of those that skip;
 docs/architecture.md, "Sublayer skippers"). A sublayer skipper is hard-gated and has no adapter.
 
+Any skipper may also declare router_dtype, the dtype its modules keep inside a transformed model
+(None, the default: the model's; SkipGPT: float32, as its own code runs its routers).
+
 Non-finite router output (NaN, +-Inf) has one defined meaning everywhere: the token RUNs the
 layer with g = 1 (the layer is never silently dropped for a broken gate), and it is counted
 as "nonfinite" in `vskipper.stats`.
@@ -69,6 +72,7 @@ class Skipper(nn.Module):
     expected_run_fraction: float | None = None
     sublayers: tuple[str, ...] = ()
     router_input: str = "normed"
+    router_dtype: torch.dtype | None = None
 
     def __init__(self, layers: Iterable[int], gate: str = "soft", threshold: float = 0.5,
                  sublayers: tuple[str, ...] = (), router_input: str = "normed") -> None:

@@ -1,10 +1,13 @@
 """SkipGPT: per token and routed layer, one router decides the attention and another the MLP
 (a sublayer skipper; docs/architecture.md, "Sublayer skippers (SkipGPT)").
 
-Routers (SkipGPT's TokenRouter), both on the layer's input h (before input_layernorm):
-    logits = weight_predictor(relu(hidden_layer(h)))   # [T, 2]: execute, skip
-    gate   = softmax(logits)[..., 0]                    # RUN when gate > threshold; at 0.5: execute logit > skip logit
-The gates of the two routers are the skipper's [T, 2] (attention, MLP).
+Routers (SkipGPT's TokenRouter), both on the layer's input h (before input_layernorm), in float32
+(router_dtype: SkipGPT builds them in fp32 after loading the bf16 model and never casts them):
+    logits = weight_predictor(relu(hidden_layer(h.float()))).to(h.dtype)   # [T, 2]: execute, skip
+    run    = not (logits[..., 1] > logits[..., 0])
+the mode of SkipGPT's gumbel_softmax(logits, hard=True) without its noise (argmax, a tie RUNs; a NaN
+logit RUNs, the contract's meaning of a broken gate). The two routers' decisions are the skipper's
+[T, 2] bools (attention, MLP): no threshold applies.
 
 Checkpoint: a directory of config.json and *.safetensors in SkipGPT's own key names (its code writes
 pickled state dicts, which vskipper never loads: convert them to safetensors, keys unchanged).
@@ -38,19 +41,25 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(router_attention|router_mlp|block)
 
 
 class TokenRouter(nn.Module):
-    """SkipGPT's router: two logits (execute, skip) from h [..., H] -> [..., 2]."""
+    """SkipGPT's router: h [..., H] -> decisions [...] bool (True = execute), from two logits computed
+    in the router's dtype and cast back to h's, as SkipGPT computes them."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.hidden_layer = nn.Linear(hidden, hidden // 4)
         self.weight_predictor = nn.Linear(hidden // 4, 2)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        z = torch.relu(self.hidden_layer(h.to(self.hidden_layer.weight.dtype)))
+        return self.weight_predictor(z).to(h.dtype)  # [..., 2]: execute, skip
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.weight_predictor(torch.relu(self.hidden_layer(h)))
+        logits = self.logits(h)
+        return ~(logits[..., 1] > logits[..., 0])
 
 
 class SkipGPTRouter(nn.Module):
-    """Routed layer l's two routers: h [..., H] -> gates [..., 2] (P(execute) of attention, of MLP)."""
+    """Routed layer l's two routers: h [..., H] -> decisions [..., 2] bool (attention, MLP; True = RUN)."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
@@ -58,15 +67,17 @@ class SkipGPTRouter(nn.Module):
         self.router_mlp = TokenRouter(hidden)
 
     def forward(self, h: torch.Tensor, positions=None, token_ids=None) -> torch.Tensor:
-        return torch.stack([torch.softmax(self.router_attention(h), -1)[..., 0],
-                            torch.softmax(self.router_mlp(h), -1)[..., 0]], -1)
+        return torch.stack([self.router_attention(h), self.router_mlp(h)], -1)
 
 
 class SkipGPT(Skipper):
-    """SkipGPT's routers at `layers` of a model of width `hidden_size` (hard gate, no adapter)."""
+    """SkipGPT's routers at `layers` of a model of width `hidden_size` (hard gate, no adapter, routers
+    in float32)."""
 
-    def __init__(self, layers: Iterable[int], hidden_size: int, threshold: float = 0.5) -> None:
-        super().__init__(layers, gate="hard", threshold=threshold, sublayers=SUBLAYERS, router_input="residual")
+    router_dtype = torch.float32
+
+    def __init__(self, layers: Iterable[int], hidden_size: int) -> None:
+        super().__init__(layers, gate="hard", sublayers=SUBLAYERS, router_input="residual")
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 4:
             raise ValueError(f"SkipGPT: hidden_size={hidden_size!r} must be an integer >= 4")
         self.hidden_size = hidden_size
@@ -85,7 +96,7 @@ class SkipGPT(Skipper):
         return {f"model.layers.{l}.{k}": v for l in self.layers for k, v in self.router(l).state_dict().items()}
 
     def extra_repr(self) -> str:
-        return f"layers={list(self.layers)}, hidden_size={self.hidden_size}, threshold={self.threshold}"
+        return f"layers={list(self.layers)}, hidden_size={self.hidden_size}"
 
 
 def _fields(cfg: dict, where: str) -> tuple[list[int] | None, dict | None]:
@@ -137,10 +148,10 @@ def _merge_lora(base: dict[str, torch.Tensor], lora: dict[str, dict[str, torch.T
         base[module + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
 
 
-def load_skipgpt(path, dtype: torch.dtype = torch.float32, threshold: float = 0.5) -> tuple[nn.Module, SkipGPT]:
+def load_skipgpt(path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, SkipGPT]:
     """A SkipGPT checkpoint directory (see the module docstring) -> (the base transformers
-    LlamaForCausalLM with its LoRA merged, the SkipGPT skipper), neither transformed. Only safetensors
-    are read; no remote code runs."""
+    LlamaForCausalLM in `dtype` with its LoRA merged, the SkipGPT skipper in float32), neither
+    transformed. Only safetensors are read; no remote code runs."""
     from vskipper.models.checkpoint import CheckpointError, load_tensors, read_config
     from vskipper.models.hf_loader import build_base_model
 
@@ -168,7 +179,7 @@ def load_skipgpt(path, dtype: torch.dtype = torch.float32, threshold: float = 0.
     n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     routed = list(range(n_layers)) if layers is None else layers
     try:
-        skipper = SkipGPT(routed, hidden, threshold)
+        skipper = SkipGPT(routed, hidden)
         skipper.check_model(n_layers, hidden)
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
@@ -186,4 +197,4 @@ def load_skipgpt(path, dtype: torch.dtype = torch.float32, threshold: float = 0.
                 raise CheckpointError(f"{where}: router tensor 'model.layers.{l}.{name}' has shape "
                                       f"{list(found[name].shape)}, expected {list(ref.shape)}")
         router.load_state_dict({k: found[k] for k in router.state_dict()})
-    return model, skipper.to(dtype).eval()
+    return model, skipper.eval()
