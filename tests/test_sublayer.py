@@ -241,6 +241,23 @@ def test_a_sublayer_skipper_with_an_adapter_is_refused():
         vskipper.transform(base, WithAdapter([1], base.config.hidden_size))
 
 
+def test_a_sublayer_skipper_on_sglang_is_refused_for_now(monkeypatch):
+    """Only the transformers families run sublayer skippers so far: another engine's model is refused
+    by name, before anything is rewritten."""
+    import dataclasses
+
+    from vskipper import api
+
+    family = api.family_for(tiny_llama())
+    monkeypatch.setattr(api, "family_for", lambda model: dataclasses.replace(family, name="sglang LlamaForCausalLM"))
+    base = tiny_llama()
+    with pytest.raises(ValueError, match=r"RandomSublayerSkip decides attention and MLP separately .* not on sglang "
+                                         r"LlamaForCausalLM \(docs/architecture.md, 'Sublayer skippers'\)"):
+        vskipper.transform(base, vskipper.RandomSublayerSkip(0.5, 0.5, [1]))
+    assert not hasattr(base, "vskipper")
+    vskipper.transform(base, vskipper.RandomSkip(0.5, [1]))  # a whole-layer skipper goes through
+
+
 def test_inputs_embeds_with_random_sublayers_is_refused():
     m = transformed(tiny_llama(), vskipper.RandomSublayerSkip(0.5, 0.5, [1]), "dense")
     with pytest.raises(ValueError, match="RandomSkip needs token ids and positions"):
