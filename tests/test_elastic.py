@@ -137,7 +137,7 @@ def test_serve_refuses_bad_targets_naming_the_flag(tmp_path, monkeypatch, capsys
 
 # --- the ramp benchmark's table and figure (benchmarks/serving/elastic_ramp.py) -------------------
 def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
-    from benchmarks.serving.elastic_ramp import plot, quantile, table
+    from benchmarks.serving.elastic_ramp import plot, quantile, shares, table
 
     assert quantile([5, 1, 4, 2, 3], 0.9) == 5 and quantile([5, 1, 4, 2, 3], 0.5) == 3
     m = lambda p90, skip: dict(tpot_p50_ms=p90 / 2, tpot_p90_ms=p90, ttft_p50_s=0.1, ttft_p90_s=0.2, tok_s=9.0,  # noqa: E731
@@ -147,6 +147,11 @@ def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
     md = table(steps, ["upstream", "elastic-random"], target_ms=40.0)
     assert "| 1.5x (3.000/s) | upstream | 22 | 45 * |" in md and "| 1.5x (3.000/s) | elastic-random | 15 | 30 |" in md
     assert "0.400" in md and "0.60" in md
+    steps[1]["requests"] = 18
+    steps[1]["systems"]["upstream"]["levels"] = shares({"0": 30.0, "4": 90.0, "2": 10.0}, {"0": 20.0, "4": 60.0})
+    assert steps[1]["systems"]["upstream"]["levels"] == "0:20% 2:20% 4:60%" and shares({"0": 1.0}, {"0": 1.0}) is None
+    assert "| 1.5x (3.000/s, 18 req) | upstream |" in table(steps, ["upstream"], target_ms=40.0)
+    assert "| 0:20% 2:20% 4:60% | 0 |" in table(steps, ["upstream"], target_ms=40.0)
     plot(steps, ["upstream", "elastic-random"], 40.0, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 1000
 
@@ -235,3 +240,77 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
     assert re.search(r"elastic level 0/4 .*target TPOT 0.001 ms; observed p90 TPOT [\d.]+ ms; time per level 0:", line)
     tokens = dict(re.findall(r"(\d+):(\d+)", line.split("tokens per level")[1]))
     assert int(tokens.get("0", 0)) > 0 and int(tokens.get("4", 0)) > 0, line
+
+
+@pytest.mark.sglang
+def test_metrics_give_the_level_the_target_and_tokens_per_level_over_http(tmp_path):
+    """`vskipper serve --tpot-ms` with --enable-metrics (and --stats-interval, which exports vskipper's
+    counters): /metrics carries the elastic gauges (level, target) and counts tokens per level; a
+    wave under a target no step meets puts tokens at the top level, and the first request (admitted
+    idle) at level 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    from benchmarks.serving.elastic_ramp import metric
+    from benchmarks.serving.servers import free_port, wait_healthy
+    from vskipper.models.hf_loader import save_checkpoint
+
+    from sglang_util import calibrated_cache
+    from tiny import VOCAB, flexidepth_for, tiny_llama
+
+    base = tiny_llama()
+    path = save_checkpoint(tmp_path / "ckpt", base, flexidepth_for(base, [1, 3, 4, 5], gate="soft"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
+    env.update(calibrated_cache(tmp_path, base), VSKIPPER_EXECUTION="routed", VSKIPPER_CONTROL_PERIOD_MS="1")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "vskipper.cli", "serve", "--model-path", str(path),
+                             "--skip-tokenizer-init", "--no-calibrate", "--port", str(port), "--max-total-tokens",
+                             "4096", "--enable-metrics", "--stats-interval", "4", "--tpot-ms", "0.001",
+                             "--max-running-requests", "4"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    g = torch.Generator().manual_seed(5)
+
+    def ask(ids: list[int], n: int = 30) -> int:
+        r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sampling(n)}, timeout=300)
+        assert r.status_code == 200, r.text
+        return len(r.json()["output_ids"])
+
+    def level() -> float | None:
+        m = re.search(r"^vskipper_elastic_level(?:\{[^}]*\})? (\S+)$", requests.get(url + "/metrics", timeout=10).text,
+                      re.M)
+        return float(m.group(1)) if m else None
+
+    try:
+        problem = wait_healthy(url, proc, 240)
+        assert problem is None, problem + open(tmp_path / "server.log").read()[-3000:]
+        wave = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in [5, 6] + [3, 7, 5, 9] * 4]
+        assert ask(wave[0]) == 30  # idle: admitted at level 0
+        with ThreadPoolExecutor(16) as pool:
+            load = [pool.submit(ask, w, 80) for w in wave[2:]]  # a queue the target cannot hold
+            for _ in range(600):  # until the level has risen (at most 60 s)
+                if level() == 4.0:
+                    break
+                time.sleep(0.1)
+            assert level() == 4.0, open(tmp_path / "server.log").read()[-3000:]
+            assert ask(wave[1]) == 30  # admitted at the top level
+            assert [f.result() for f in load] == [80] * 16
+        text = requests.get(url + "/metrics", timeout=10).text
+        tokens = metric(url, "vskipper_elastic_tokens_total", "level")
+        assert tokens.get("0", 0) > 0 and tokens.get("4", 0) > 0, (tokens, text[-3000:])
+        assert re.search(r"^vskipper_elastic_target_tpot_ms(\{[^}]*\})? 0\.001$", text, re.M), text[-3000:]
+        assert sum(metric(url, "vskipper_elastic_seconds_total", "level").values()) > 0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

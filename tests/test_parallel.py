@@ -114,3 +114,26 @@ def test_tensor_parallel_2_elastic_depth_every_rank_applies_the_same_level(tmp_p
     assert out == reference_generate(base, sk, probe, 8)[0][len(probe):].tolist(), "top level: the skipper alone"
     d = digests(tmp_path / "routes")
     assert set(d) == {"tp0", "tp1"} and d["tp0"] and d["tp0"] == d["tp1"], "ranks applied different levels"
+
+
+def test_data_parallel_2_elastic_depth_each_replica_decides_for_itself(tmp_path, capfd):
+    """Elastic depth under DP=2 and a target no step meets: each replica's scheduler runs a controller
+    of its own (two `elastic depth on` lines), a queue on them raises the level, and every request
+    is answered in full."""
+    import torch
+
+    from tiny import VOCAB
+
+    path, base, sk = checkpoint(tmp_path, "llama")
+    g = torch.Generator().manual_seed(4)
+    wave = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in [3, 7, 5, 9] * 4]
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with engine(path, log_level="info", engine_args={"dp_size": 2, "max_running_requests": 4},
+                VSKIPPER_EXECUTION="routed", VSKIPPER_TPOT_MS="0.001", VSKIPPER_CONTROL_PERIOD_MS="1",
+                **calibrated_cache(tmp_path, base), **TWO_RANKS) as eng:
+        out = eng.generate(input_ids=wave, sampling_params=sp)
+        log = capfd.readouterr().err
+    assert [len(o["output_ids"]) for o in out] == [24] * len(wave)
+    on = [x for x in log.splitlines() if "elastic depth on: target TPOT 0.001 ms" in x]
+    assert len(on) == 2, "\n".join(on) or log[-3000:]
+    assert "elastic depth level 0 -> " in log, log[-3000:]

@@ -135,7 +135,7 @@ def soak(args) -> Report:
 
         if not torch.cuda.is_available():  # the controller prices its levels by it
             ensure_calibration(model, "cpu", "float32", args.threads or torch.get_num_threads(), 64, log)
-        env += (("VSKIPPER_TPOT_MS", f"{args.tpot_ms:g}"),)
+        env += (("VSKIPPER_TPOT_MS", f"{args.tpot_ms:g}"), ("VSKIPPER_STATS_INTERVAL", "8"))  # 8: /metrics export
         extra = ("--enable-metrics",)
     server: Server = start(System("soak", model, args.skipper, env, args=extra), out)
     try:
