@@ -35,7 +35,6 @@ from torch import nn
 from vskipper.skippers.base import SUBLAYERS, Skipper
 
 ARCHITECTURE = "SkipGPTLlamaForCausalLM"
-ROUTERS = ("router_attention", "router_mlp")  # the columns of the skipper's decisions, in SUBLAYERS order
 PEFT_PREFIX = "base_model.model."
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(router_attention|router_mlp|block)\.(.+)$")
 
