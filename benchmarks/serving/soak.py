@@ -186,7 +186,7 @@ def soak(args) -> Report:
         stop(server)
     if args.opted_out:  # upstream's answers, from a server of its own once the soak's is gone
         log("upstream SGLang's answers to the probe set (skip false must give them)")
-        up = start(System("upstream", model, None, env), out)
+        up = start(System("upstream", model, None, env[:1] if args.threads else ()), out)  # no vskipper settings
         try:
             report.upstream = idle_answers(up.url, probes)
         finally:
