@@ -61,6 +61,23 @@ def greedy(model, ids, mask=None, n=NEW_TOKENS):
         return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
+def assert_batch_matches_reference(model, base, skipper, seqs, n=NEW_TOKENS) -> None:
+    """`model` (transformed; its routes recorded) generates for the left-padded batch of `seqs`: each
+    sequence's greedy tokens and route decisions equal the eager reference's."""
+    from vskipper.reference import reference_generate
+
+    from tiny import record_routes
+
+    ids, mask = left_pad(seqs)
+    calls = record_routes(model)
+    out = greedy(model, ids, mask, n)
+    for b, p in enumerate(seqs):
+        ref_tokens, ref_dec = reference_generate(base, skipper, p, n)
+        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
+        for l in skipper.layers:
+            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+
+
 def fast_decisions(calls, layer, b=0, pad=0):
     """Route decisions of sequence b from the recorded router outputs (prefill, then 1 per step)."""
     outs = calls[layer]

@@ -14,7 +14,16 @@ from vskipper.reference import reference_forward, reference_generate
 from vskipper.skippers.base import SUBLAYERS, Skipper
 from vskipper.skippers.random_skip import hash_uniform
 
-from helpers import NEW_TOKENS, assert_close, assert_equal, fast_decisions, greedy, left_pad, prompts
+from helpers import (
+    NEW_TOKENS,
+    assert_batch_matches_reference,
+    assert_close,
+    assert_equal,
+    fast_decisions,
+    greedy,
+    left_pad,
+    prompts,
+)
 from tiny import record_routes, tiny_llama, tiny_qwen3, transformed
 
 FAMILIES = {"llama": tiny_llama, "qwen3": tiny_qwen3}
@@ -108,15 +117,8 @@ def test_sublayers_match_reference_padded_batch(family, body):
     base = FAMILIES[family]()
     sk = vskipper.RandomSublayerSkip(0.4, 0.6, [0, 2, 5], seed=5)
     seqs = prompts((7, 2, 12, 5))
-    ids, mask = left_pad(seqs)
     m = transformed(base, sk, body)
-    calls = record_routes(m)
-    out = greedy(m, ids, mask)
-    for b, p in enumerate(seqs):
-        ref_tokens, ref_dec = reference_generate(base, sk, p, NEW_TOKENS)
-        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
-        for l in sk.layers:
-            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+    assert_batch_matches_reference(m, base, sk, seqs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -179,17 +181,10 @@ def test_fixed_shape_sublayer_body_matches_reference_without_host_sync(family, b
     base = FAMILIES[family]()
     sk = vskipper.RandomSublayerSkip(0.4, 0.6, [1, 3, 4], seed=7)
     seqs = prompts((6, 3, 9))
-    ids, mask = left_pad(seqs)
     m = transformed(base, sk, body, static_shapes=True, check_sync=True)  # decode steps are guarded
     maps = [n for n in m.vskipper.graphs[0].graph.nodes if n.meta.get("vskipper", {}).get("role") == "route_maps"]
     assert len(maps) == 3 and all(n.args[0].target is torch.select and n.args[0].args[1:] == (-1, 1) for n in maps)
-    calls = record_routes(m)
-    out = greedy(m, ids, mask, 12)
-    for b, p in enumerate(seqs):
-        ref_tokens, ref_dec = reference_generate(base, sk, p, 12)
-        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
-        for l in sk.layers:
-            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+    assert_batch_matches_reference(m, base, sk, seqs, 12)
 
 
 # --- specs and the contract: bad input refused with its message ---------------------------------

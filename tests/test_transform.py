@@ -7,7 +7,16 @@ import torch
 import vskipper
 from vskipper.reference import reference_forward, reference_generate
 
-from helpers import NEW_TOKENS, assert_close, assert_equal, fast_decisions, greedy, left_pad, prompts
+from helpers import (
+    NEW_TOKENS,
+    assert_batch_matches_reference,
+    assert_close,
+    assert_equal,
+    fast_decisions,
+    greedy,
+    left_pad,
+    prompts,
+)
 from tiny import flexidepth_for, record_routes, synthetic_calibration, tiny_llama, tiny_qwen3, transformed
 
 FAMILIES = {"llama": (tiny_llama, "soft"), "qwen3": (tiny_qwen3, "hard")}
@@ -94,15 +103,8 @@ def test_flexidepth_matches_reference_padded_batch(family, body):
     base = make()
     sk = flexidepth_for(base, [0, 2, 5], gate=gate)
     seqs = prompts((7, 2, 12, 5))
-    ids, mask = left_pad(seqs)
     m = transformed(base, sk, body)
-    calls = record_routes(m)
-    out = greedy(m, ids, mask)
-    for b, p in enumerate(seqs):
-        ref_tokens, ref_dec = reference_generate(base, sk, p, NEW_TOKENS)
-        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
-        for l in sk.layers:
-            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+    assert_batch_matches_reference(m, base, sk, seqs)
 
 
 def test_dense_and_routed_agree_on_logits():
@@ -222,15 +224,8 @@ def test_static_body_matches_reference_without_host_sync(family, body):
     base = make()
     sk = flexidepth_for(base, [1, 3, 4], gate=gate)
     seqs = prompts((6, 3, 9))
-    ids, mask = left_pad(seqs)
     m = transformed(base, sk, body, static_shapes=True, check_sync=True)  # decode steps are guarded
-    calls = record_routes(m)
-    out = greedy(m, ids, mask, 12)
-    for b, p in enumerate(seqs):
-        ref_tokens, ref_dec = reference_generate(base, sk, p, 12)
-        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
-        for l in sk.layers:
-            assert_equal(fast_decisions(calls, l, b, ids.shape[1] - len(p)), ref_dec[l], f"routes, seq {b}, layer {l}")
+    assert_batch_matches_reference(m, base, sk, seqs, 12)
 
 
 def test_host_sync_guard_catches_the_dynamic_body():
