@@ -427,7 +427,9 @@ class RoutedLayer(nn.Module):
 
 class SublayerRouteCounter(nn.Module):
     """A sublayer skipper's route counts, on the device: tokens, attention run, MLP run, nonfinite (a
-    token with a non-finite gate for either sublayer)."""
+    token with a non-finite gate for either sublayer). `read` also gives "run" and "project" in
+    sublayer decisions (two per token), so that project / (run + project) is the skipped share of
+    routed sublayers, as it is the skipped share of routed layers for a whole-layer skipper."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -443,7 +445,7 @@ class SublayerRouteCounter(nn.Module):
     def read(self) -> dict[str, int]:
         tokens, attn, mlp, nonfinite = self.counts.tolist()
         return dict(tokens=tokens, attention_run=attn, attention_skip=tokens - attn, mlp_run=mlp,
-                    mlp_skip=tokens - mlp, nonfinite=nonfinite)
+                    mlp_skip=tokens - mlp, run=attn + mlp, project=2 * tokens - attn - mlp, nonfinite=nonfinite)
 
 
 def route_counter(sublayers: bool) -> nn.Module:
