@@ -147,20 +147,15 @@ def _merge_lora(base: dict[str, torch.Tensor], lora: dict[str, dict[str, torch.T
         base[module + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
 
 
-def load_skipgpt(path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, SkipGPT]:
-    """A SkipGPT checkpoint directory (see the module docstring) -> (the base transformers
-    LlamaForCausalLM in `dtype` with its LoRA merged, the SkipGPT skipper in float32), neither
-    transformed. Only safetensors are read; no remote code runs."""
-    from vskipper.models.checkpoint import CheckpointError, load_tensors, read_config
-    from vskipper.models.hf_loader import build_base_model
-
-    where = str(path)
-    cfg = read_config(path)
+def split_tensors(tensors: dict[str, torch.Tensor], cfg: dict, where: str):
+    """A SkipGPT checkpoint's tensors (see the module docstring) -> (the base model's tensors under
+    transformers' Llama names, LoRA merged; the routers' tensors per layer {l: {name: tensor}}; the
+    routed layers skipgpt.layers names, or None: every layer)."""
     layers, lora_cfg = _fields(cfg, where)
     base: dict[str, torch.Tensor] = {}
     lora: dict[str, dict[str, torch.Tensor]] = {}
     routers: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in load_tensors(path).items():
+    for key, t in tensors.items():
         k = key.removeprefix(PEFT_PREFIX)
         m = _LAYER.match(k)
         if m and m.group(2) != "block":
@@ -174,8 +169,15 @@ def load_skipgpt(path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, S
         else:
             base[k.replace(".base_layer.", ".")] = t
     _merge_lora(base, lora, lora_cfg, where)
-    model = build_base_model({k: v for k, v in cfg.items() if k != "skipgpt"}, "llama", base, path, dtype)
-    n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    return base, routers, layers
+
+
+def make_skipgpt(routers: dict[int, dict[str, torch.Tensor]], layers: list[int] | None, n_layers: int, hidden: int,
+                 where: str) -> SkipGPT:
+    """The SkipGPT skipper of a model of n_layers layers of width `hidden`, its routers loaded from
+    split_tensors' routers (float32). CheckpointError naming the tensor for a missing or misshapen one."""
+    from vskipper.models.checkpoint import CheckpointError
+
     routed = list(range(n_layers)) if layers is None else layers
     try:
         skipper = SkipGPT(routed, hidden)
@@ -195,5 +197,19 @@ def load_skipgpt(path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, S
             if found[name].shape != ref.shape:
                 raise CheckpointError(f"{where}: router tensor 'model.layers.{l}.{name}' has shape "
                                       f"{list(found[name].shape)}, expected {list(ref.shape)}")
-        router.load_state_dict({k: found[k] for k in router.state_dict()})
-    return model, skipper.eval()
+        router.load_state_dict({k: found[k].float() for k in router.state_dict()})
+    return skipper.eval()
+
+
+def load_skipgpt(path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, SkipGPT]:
+    """A SkipGPT checkpoint directory (see the module docstring) -> (the base transformers
+    LlamaForCausalLM in `dtype` with its LoRA merged, the SkipGPT skipper in float32), neither
+    transformed. Only safetensors are read; no remote code runs."""
+    from vskipper.models.checkpoint import load_tensors, read_config
+    from vskipper.models.hf_loader import build_base_model
+
+    where = str(path)
+    cfg = read_config(path)
+    base, routers, layers = split_tensors(load_tensors(path), cfg, where)
+    model = build_base_model({k: v for k, v in cfg.items() if k != "skipgpt"}, "llama", base, path, dtype)
+    return model, make_skipgpt(routers, layers, model.config.num_hidden_layers, model.config.hidden_size, where)
