@@ -214,11 +214,11 @@ def test_device_counts_are_read_a_step_late_per_phase_over_their_own_T():
     assert chooser.fraction == {}  # nothing has landed: both phases plan with the declared 0.5
     LandingEvent.landed = True
     chooser.choose(8, torch.tensor([8, 0], dtype=torch.int32), decode=True, on_host=False)
-    assert chooser.fraction == {True: 2 / 16}  # decode's own copy, over its own T, not 500 / 8
+    assert chooser.fraction == {True: (2 / 16,)}  # decode's own copy, over its own T, not 500 / 8
     chooser.choose(256, torch.tensor([0, 256], dtype=torch.int32), decode=False, on_host=False)
-    assert chooser.fraction == {True: 2 / 16, False: 500 / 512}
+    assert chooser.fraction == {True: (2 / 16,), False: (500 / 512,)}
     chooser.choose(16, torch.tensor([16, 0], dtype=torch.int32), decode=True, on_host=False)
-    assert chooser.fraction[True] == pytest.approx(0.5 * 8 / 8 + 0.5 * 2 / 16)  # EMA of the steps seen
+    assert chooser.fraction[True] == pytest.approx((0.5 * 8 / 8 + 0.5 * 2 / 16,))  # EMA of the steps seen
 
 
 def test_explain_shows_auto_s_graph_plan():

@@ -23,6 +23,18 @@ once per routed layer and step, from T (the row count, a shape) and the layer's 
   A step is priced by its phase's table (decode batches by the decode table, extend and mixed
   batches by the prefill table); without a prefill table, prefill uses the decode table, with a warning.
 No calibration for this device: dense-masked everywhere, with one warning naming the command.
+
+A sublayer skipper (attention and MLP decided apart: skippers/base.py) runs other bodies, so it has
+tables of its own (`vskipper calibrate --sublayers`), kept beside the whole-layer ones under their own
+key (Calibration.sublayers). Its layers have two RUN fractions, f_attn and f_mlp; the rule:
+  - calibrate times cells with both fractions equal to f (the same grid, the same paired method);
+  - the choice reads both (on CPU from `run`; on an accelerator, the EMA of the device counts of
+    both; inside capture, the skipper's declared expected fraction for both) and prices each body
+    as attention plus MLP from those diagonal cells: dense whatever the fractions; routed-mlp at
+    f_mlp (its attention runs for every row); routed at f_mlp plus what routing the attention
+    changes at f_attn, routed(f_attn) - routed-mlp(f_attn), which is exact where the two
+    sublayers' times add up (Calibration.predict).
+  Either way this only picks which body runs: every body computes the same function.
 """
 from __future__ import annotations
 
@@ -96,6 +108,7 @@ class Calibration:
     dtype: str = "float32"  # the dtype the layer was timed in (bf16 GEMMs and f32 ones differ in kind)
     routed_mlp: tuple = ()  # ms, like routed: attention for every row, MLP and adapter routed
     phase: str = "decode"  # what was timed: a decode step of T sequences, or an extend of one T-token prompt
+    sublayers: bool = False  # a sublayer skipper's bodies (cells with both RUN fractions equal), not whole layers
 
     def bodies(self) -> tuple[str, ...]:
         """The bodies this table times, by execution name."""
@@ -125,9 +138,20 @@ class Calibration:
             rows.append(([n / T for n in ns], d, times))
         return rows
 
-    def predict(self, body: str, T: int, f: float) -> float:
+    def predict(self, body: str, T: int, f) -> float:
         """Interpolated time (ms) of `body` for T rows with RUN fraction f: linear in f along the
-        two grid rows around T, then linear in log2 T between them."""
+        two grid rows around T, then linear in log2 T between them. A sublayer table's f is
+        (f_attn, f_mlp), or one fraction for both; the body is priced as attention plus MLP (the
+        module docstring's rule)."""
+        if not self.sublayers:
+            return self._predict(body, T, f)
+        f_attn, f_mlp = (f, f) if isinstance(f, (int, float)) else f
+        if body == "routed":  # the attention routed at f_attn, the MLP at f_mlp
+            return (self._predict("routed-mlp", T, f_mlp) + self._predict("routed", T, f_attn)
+                    - self._predict("routed-mlp", T, f_attn))
+        return self._predict(body, T, f_mlp)  # dense: whatever f; routed-mlp: attention for every row
+
+    def _predict(self, body: str, T: int, f: float) -> float:
         x = math.log2(max(T, 1))
         xs = [math.log2(t) for t in self.ts]
         i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
@@ -147,7 +171,7 @@ class Calibration:
         t = at(self._rows[i]) * (1 - u) + at(self._rows[i + 1]) * u
         return t * (T / self.ts[-1]) if T > self.ts[-1] else t  # beyond the grid: linear in T
 
-    def choose(self, T: int, f: float, current: str | None = None, margin: float = 0.03,
+    def choose(self, T: int, f, current: str | None = None, margin: float = 0.03,
                bodies: tuple[str, ...] | None = None) -> str:
         """The body predicted cheapest among `bodies` (default: every body timed); with hysteresis,
         `current` is kept unless another is predicted cheaper by more than `margin`."""
@@ -159,7 +183,8 @@ class Calibration:
 
     def key(self) -> str:
         phase = "|prefill" if self.phase == "prefill" else ""
-        return f"{self.device}|{self.hidden}x{self.intermediate}|{self.dtype}{phase}"
+        kind = "|sublayers" if self.sublayers else ""
+        return f"{self.device}|{self.hidden}x{self.intermediate}|{self.dtype}{phase}{kind}"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -168,7 +193,7 @@ class Calibration:
     def from_json(cls, d: dict) -> "Calibration":
         return cls(d["device"], d["versions"], d["hidden"], d["intermediate"], tuple(d["ts"]), tuple(d["fs"]),
                    tuple(map(tuple, d["dense"])), tuple(map(tuple, d["routed"])), d.get("dtype", "float32"),
-                   tuple(map(tuple, d.get("routed_mlp", ()))), d.get("phase", "decode"))
+                   tuple(map(tuple, d.get("routed_mlp", ()))), d.get("phase", "decode"), d.get("sublayers", False))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -179,22 +204,28 @@ def _file_name(device: str) -> str:
     return cache.slug(device) + ".json"
 
 
+def _entry_key(e: dict) -> tuple:
+    """What a cached entry replaces: the entry of the same shape, dtype, phase and kind."""
+    return (e["hidden"], e["intermediate"], e.get("dtype", "float32"), e.get("phase", "decode"),
+            e.get("sublayers", False))
+
+
 def save(cal: Calibration, directory: Path | None = None) -> Path:
+    """Cache `cal` in its device's file, in place of the entry of the same shape, dtype, phase and kind
+    (whole-layer and sublayer tables are kept side by side)."""
     directory = directory or cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / _file_name(cal.device)
     entries = json.loads(path.read_text()) if path.is_file() else []
-    same = (cal.hidden, cal.intermediate, cal.dtype, cal.phase)
-    entries = [e for e in entries
-               if (e["hidden"], e["intermediate"], e.get("dtype", "float32"), e.get("phase", "decode")) != same]
+    entries = [e for e in entries if _entry_key(e) != _entry_key(cal.to_json())]
     path.write_text(json.dumps(entries + [cal.to_json()], indent=1))
     return path
 
 
 def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str = "float32",
-         phase: str = "decode", exact: bool = False) -> Calibration | None:
+         phase: str = "decode", exact: bool = False, sublayers: bool = False) -> Calibration | None:
     """The `phase` calibration for this device, versions and dtype, nearest shape first (exact: this
-    shape only); None if there is none."""
+    shape only), of whole layers or (sublayers) of a sublayer skipper's bodies; None if there is none."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r} is not one of {list(PHASES)}")
     name, ver = device_name(device), versions()
@@ -204,7 +235,8 @@ def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str 
         if not path.is_file():
             continue
         for e in json.loads(path.read_text()):
-            if e["device"] != name or e.get("dtype", "float32") != dtype or e.get("phase", "decode") != phase:
+            if (e["device"] != name or e.get("dtype", "float32") != dtype or e.get("phase", "decode") != phase
+                    or e.get("sublayers", False) != sublayers):
                 continue
             why = cache.mismatch(e["versions"], ver)
             if why:
@@ -220,10 +252,11 @@ def load(device: torch.device | str, hidden: int, intermediate: int, dtype: str 
     if (best.hidden, best.intermediate) != (hidden, intermediate):
         if exact:
             return None
-        what = "prefill cost calibration" if phase == "prefill" else "cost calibration"
+        what = ("sublayer " if sublayers else "") + ("prefill " if phase == "prefill" else "") + "cost calibration"
         warnings.warn(f"vskipper: no {what} for hidden={hidden}, intermediate={intermediate} on "
                       f"{name!r}; using the nearest shape, {best.hidden}x{best.intermediate}. For this shape: "
-                      f"`vskipper calibrate --shape {hidden},{intermediate}`", stacklevel=2)
+                      f"`vskipper calibrate{' --sublayers' if sublayers else ''} --shape {hidden},{intermediate}`",
+                      stacklevel=2)
     return best
 
 
@@ -244,25 +277,26 @@ def _other_thread_counts(name: str) -> list[str]:
 
 class DeviceCounts:
     """The previous steps' RUN counts of one phase, read from an accelerator without waiting for it:
-    each step's counts [2] (RUN, PROJECT) are copied to a pinned host buffer without blocking, with
-    the T they were counted over, and read once their copy's event has completed. One per phase, so
-    a prefill step's count is never divided by a decode step's T. `event` makes the event (CUDA's by
-    default; a test can hand in its own and run this same path on CPU tensors)."""
+    each step's counts [2] (RUN, PROJECT; a sublayer layer's: attention RUN, MLP RUN) are copied to a
+    pinned host buffer without blocking, with the T they were counted over, and read once their
+    copy's event has completed. One per phase, so a prefill step's count is never divided by a decode
+    step's T. `width`: how many leading counts are RUN counts (1, or 2 for a sublayer layer). `event`
+    makes the event (CUDA's by default; a test can hand in its own and run this same path on CPU tensors)."""
 
-    def __init__(self, event=None) -> None:
-        self.event_type = event
+    def __init__(self, event=None, width: int = 1) -> None:
+        self.event_type, self.width = event, width
         self._host = self._event = None
         self._T = 0
 
-    def push(self, counts: torch.Tensor, T: int) -> float | None:
-        """Start copying this step's counts (taken over T rows); return the RUN fraction of the last
-        copy that has landed since the previous call, or None if none has."""
+    def push(self, counts: torch.Tensor, T: int) -> tuple[float, ...] | None:
+        """Start copying this step's counts (taken over T rows); return the RUN fractions (`width` of
+        them) of the last copy that has landed since the previous call, or None if none has."""
         seen = None
         if self._host is None:
             self._host = torch.zeros(2, dtype=counts.dtype, pin_memory=counts.is_cuda)
             self._event = (self.event_type or torch.cuda.Event)()
         elif self._event.query():  # the previous step's copy has landed: read it, never wait for it
-            seen = float(self._host[0]) / max(self._T, 1)
+            seen = tuple(n / max(self._T, 1) for n in self._host[:self.width].tolist())
         self._host.copy_(counts, non_blocking=True)
         self._event.record()
         self._T = T
@@ -280,7 +314,8 @@ class Chooser:
     batch size gets one fixed body (`plan` lists them). Elsewhere the choice is made per step, with
     hysteresis state kept per phase (prefill, decode) and batch size, from the phase's table
     (`prefill`: the prefill calibration; None: prefill steps use the decode table). Counts on an
-    accelerator are read a step late (DeviceCounts, one per phase; `event` as there)."""
+    accelerator are read a step late (DeviceCounts, one per phase; `event` as there). With sublayer
+    tables (`width` 2) the choice reads two RUN fractions, (attention, MLP): the module docstring's rule."""
 
     def __init__(self, calibration: Calibration, expected: float | None = None, ema: float = 0.5,
                  margin: float = 0.03, prefill: Calibration | None = None, bodies: tuple[str, ...] | None = None,
@@ -291,9 +326,10 @@ class Chooser:
         self.declared = expected is not None
         self.expected = 0.5 if expected is None else float(expected)
         self.current: dict[tuple, str] = {}  # (phase, T) -> the body chosen last (hysteresis)
-        self.fraction: dict[bool, float] = {}  # phase -> EMA of the RUN fraction seen (accelerators)
+        self.width = 2 if calibration.sublayers else 1  # RUN fractions a step has: (attention, MLP) or one
+        self.fraction: dict[bool, tuple] = {}  # phase -> EMA of the RUN fractions seen (accelerators), `width` of them
         self.event = event
-        self.device_counts = {phase: DeviceCounts(event) for phase in (True, False)}
+        self.device_counts = {phase: DeviceCounts(event, self.width) for phase in (True, False)}
         self._memo: dict[tuple, str] = {}  # (phase, T, RUN count or percent, current) -> body: a dict hit
 
     def planned(self, T: int) -> str:
@@ -315,24 +351,43 @@ class Chooser:
         self.current[where] = body
         return body
 
-    def choose(self, T: int, counts: torch.Tensor | int, decode: bool = True, on_host: bool | None = None) -> str:
-        """counts: route maps' counts [2] (RUN, PROJECT) on the device, or the RUN count read on the host.
-        on_host: read a tensor's counts directly (default: when it is a CPU tensor)."""
-        if isinstance(counts, int):
-            return self._decide(decode, T, counts, counts / max(T, 1))
-        if on_host is None:
-            on_host = counts.is_cpu  # (not .device.type: measured 5 us per call inside a step)
-        if on_host:
-            n = counts.tolist()[0]
-            return self._decide(decode, T, n, n / max(T, 1))
-        if (torch.cuda.is_current_stream_capturing() if counts.is_cuda else self.event is None):
-            return self.planned(T)  # capturing a graph, or a device without CUDA events: never read
+    def blind(self, counts: torch.Tensor) -> bool:
+        """Whether a device tensor is not to be read now: a CUDA graph is being captured, or the device
+        has no CUDA events (choose then gives `planned`)."""
+        return torch.cuda.is_current_stream_capturing() if counts.is_cuda else self.event is None
+
+    def choose(self, T: int, counts, decode: bool = True, on_host: bool | None = None) -> str:
+        """counts: on the device, route maps' counts [2] (RUN, PROJECT), or with sublayer tables the
+        layer's (attention RUN, MLP RUN) [2]; or read on the host, the RUN count (an int), or with
+        sublayer tables the pair (attention RUN, MLP RUN). on_host: read a tensor's counts directly
+        (default: when it is a CPU tensor)."""
+        if isinstance(counts, torch.Tensor):
+            if on_host is None:
+                on_host = counts.is_cpu  # (not .device.type: measured 5 us per call inside a step)
+            if on_host:
+                counts = counts.tolist()[:self.width]
+            elif self.blind(counts):
+                return self.planned(T)  # capturing a graph, or a device without CUDA events: never read
+            else:
+                return self._choose_seen(T, counts, decode)
+        ns = (counts,) if isinstance(counts, int) else tuple(counts)
+        if len(ns) != self.width:
+            raise ValueError(f"Chooser.choose: {len(ns)} RUN count(s) {ns} for a table that reads {self.width}")
+        return self._decide(decode, T, ns, self._f(n / max(T, 1) for n in ns))
+
+    def _f(self, fs) -> float | tuple:
+        """What the table reads: one fraction, or (attention, MLP)."""
+        fs = tuple(fs)
+        return fs[0] if self.width == 1 else fs
+
+    def _choose_seen(self, T: int, counts: torch.Tensor, decode: bool) -> str:
         seen = self.device_counts[decode].push(counts, T)
         if seen is not None:
             last = self.fraction.get(decode)
-            self.fraction[decode] = seen if last is None else self.alpha * seen + (1 - self.alpha) * last
-        f = self.fraction.get(decode, self.expected)
-        return self._decide(decode, T, round(f * 100), f)
+            self.fraction[decode] = seen if last is None else tuple(
+                self.alpha * s + (1 - self.alpha) * l for s, l in zip(seen, last))
+        f = self.fraction.get(decode, (self.expected,) * self.width)
+        return self._decide(decode, T, tuple(round(x * 100) for x in f), self._f(f))
 
 
 def _nondecreasing(ys: list[float]) -> list[float]:
@@ -347,32 +402,38 @@ def _nondecreasing(ys: list[float]) -> list[float]:
     return [m for m, c in blocks for _ in range(c)]
 
 
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple] = set()
 
 
-def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int, dtype: str = "float32") -> None:
+def warn_uncalibrated(device: torch.device, hidden: int, intermediate: int, dtype: str = "float32",
+                      sublayers: bool = False) -> None:
+    """No calibration (of whole layers, or of a sublayer skipper's bodies): auto runs dense-masked."""
     name = device_name(device)
-    if (name, dtype) in _warned:
+    if (name, dtype, sublayers) in _warned:
         return
-    _warned.add((name, dtype))
+    _warned.add((name, dtype, sublayers))
     others = _other_thread_counts(name)
     threads = f" --threads {torch.get_num_threads()}" if others else ""
     also = f" (there are calibrations of this CPU at other thread counts: {others})" if others else ""
-    flag = "" if dtype == "float32" else f" --dtype {dtype}"
-    warnings.warn(f"vskipper: no cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
-                  f"{dtype}){also}; execution='auto' runs the dense-masked body. Measure this device with "
+    flag = ("" if dtype == "float32" else f" --dtype {dtype}") + (" --sublayers" if sublayers else "")
+    what, runs = (("sublayer cost calibration", "a sublayer skipper's layers dense-masked") if sublayers
+                  else ("cost calibration", "the dense-masked body"))
+    warnings.warn(f"vskipper: no {what} for {name!r} (hidden={hidden}, intermediate={intermediate}, "
+                  f"{dtype}){also}; execution='auto' runs {runs}. Measure this device with "
                   f"`vskipper calibrate --shape {hidden},{intermediate}{threads}{flag}` (or --model PATH).",
                   stacklevel=4)
 
 
-def warn_no_prefill(device: torch.device, hidden: int, intermediate: int, dtype: str = "float32") -> None:
+def warn_no_prefill(device: torch.device, hidden: int, intermediate: int, dtype: str = "float32",
+                    sublayers: bool = False) -> None:
     """A decode calibration without a prefill one: prefill steps are priced by the decode table."""
     name = device_name(device)
-    if (name, dtype, "prefill") in _warned:
+    if (name, dtype, "prefill", sublayers) in _warned:
         return
-    _warned.add((name, dtype, "prefill"))
-    flag = "" if dtype == "float32" else f" --dtype {dtype}"
-    warnings.warn(f"vskipper: no prefill cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
+    _warned.add((name, dtype, "prefill", sublayers))
+    flag = ("" if dtype == "float32" else f" --dtype {dtype}") + (" --sublayers" if sublayers else "")
+    what = "sublayer prefill" if sublayers else "prefill"
+    warnings.warn(f"vskipper: no {what} cost calibration for {name!r} (hidden={hidden}, intermediate={intermediate}, "
                   f"{dtype}); execution='auto' prices prefill steps by the decode table, which misprices them. "
                   f"Measure prefill with `vskipper calibrate --phase prefill --shape {hidden},{intermediate}{flag}`.",
                   stacklevel=4)
