@@ -3,7 +3,10 @@ this device, over a grid of batch sizes and RUN fractions, and cache the table (
 
 The layer is a transformers Llama decoder layer of the given shape with a FlexiDepth adapter,
 timed, the bodies side by side (see side_by_side), in each phase: a decode step (one new token per
-sequence over a `context`-token KV cache) and a prefill (an extend of one prompt of T tokens)."""
+sequence over a `context`-token KV cache) and a prefill (an extend of one prompt of T tokens).
+With --sublayers it times a sublayer skipper's bodies instead (no adapter; attention and MLP decided
+apart, each with the cell's RUN fraction), cached beside the whole-layer tables: only a server of a
+sublayer skipper (SkipGPT) needs them, so a whole-layer calibration does not time them."""
 from __future__ import annotations
 
 import argparse
@@ -32,16 +35,25 @@ class PoolCache:
 
 
 class LayerBench:
-    """One routed decoder layer of a given shape, ready to time either body at (T, f)."""
+    """One routed decoder layer of a given shape, ready to time either body at (T, f): a whole-layer
+    skipper's bodies, or (sublayers) a sublayer skipper's, whose attention and MLP RUN fractions are
+    both the cell's f (independent rows)."""
 
     def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, device, dtype=torch.float32,
-                 context: int = 128, seed: int = 0) -> None:
+                 context: int = 128, seed: int = 0, sublayers: bool = False) -> None:
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
         from vskipper.config import Config
         from vskipper.engines.hf import HFMLP, HFAttention
-        from vskipper.routed_layer import DenseBody, RoutedLayer, resolve_plan, routed_body
+        from vskipper.routed_layer import (
+            DenseBody,
+            RoutedLayer,
+            SublayerDenseBody,
+            resolve_plan,
+            routed_body,
+            sublayer_routed_body,
+        )
         from vskipper.skippers.flexidepth import FlexiDepthAdapter
 
         torch.manual_seed(seed)
@@ -55,10 +67,16 @@ class LayerBench:
         # as "routed-mlp" is: the routed column then prices routed attention no cheaper than that.
         plan = resolve_plan(Config(execution="routed"), torch.device(device), hidden, intermediate, dtype)
         routed = "routed-mlp" if plan.fixed_shapes else "routed"
-        self.bodies = {"dense": DenseBody(), "routed": routed_body(plan, routed),
-                       "routed-mlp": routed_body(plan, "routed-mlp")}
+        if sublayers:  # a sublayer skipper's layer: hard-gated, no adapter
+            adapter = None
+            self.bodies = {"dense": SublayerDenseBody(), "routed": sublayer_routed_body(plan, routed),
+                           "routed-mlp": sublayer_routed_body(plan, "routed-mlp")}
+        else:
+            self.bodies = {"dense": DenseBody(), "routed": routed_body(plan, routed),
+                           "routed-mlp": routed_body(plan, "routed-mlp")}
         self.body = RoutedLayer(0, HFAttention(self.layer.self_attn), self.layer.post_attention_layernorm,
-                                HFMLP(self.layer.mlp), adapter, "soft", self.bodies["routed"])
+                                HFMLP(self.layer.mlp), adapter, "hard" if sublayers else "soft", self.bodies["routed"])
+        self.sublayers = sublayers
         self.rope = LlamaRotaryEmbedding(self.cfg).to(device)
         self.device, self.dtype, self.context = device, dtype, context
         self.gen = torch.Generator().manual_seed(seed)
@@ -70,32 +88,39 @@ class LayerBench:
         kv = torch.randn(T, self.cfg.num_key_value_heads, self.context + 1, d, device=self.device, dtype=self.dtype)
         cache = PoolCache(kv, kv.clone())
         h = torch.randn(T, 1, H, device=self.device, dtype=self.dtype)
-        n_run = cost.run_rows(T, f)
-        run = torch.zeros(T, dtype=torch.bool)
-        run[torch.randperm(T, generator=self.gen)[:n_run]] = True
-        run = run.to(self.device).view(T, 1)
-        valid = torch.ones_like(run)
-        g = torch.where(run, 0.75, 0.25).to(self.dtype)
+        run = self._run(T, f, (T, 1))
         pos = torch.full((T, 1), self.context, device=self.device)
         ctx = dict(attention_mask=None, position_embeddings=self.rope(h, pos), position_ids=pos,
                    past_key_values=cache, use_cache=True)
+        return self._args(h, run, ctx)
+
+    def _run(self, T: int, f: float, shape: tuple) -> torch.Tensor:
+        """Decisions [*shape] (a sublayer layer's: [*shape, 2], attention and MLP apart), run_rows(T, f)
+        rows RUN at random positions (per sublayer, independently)."""
+        cols = []
+        for _ in range(2 if self.sublayers else 1):
+            run = torch.zeros(T, dtype=torch.bool)
+            run[torch.randperm(T, generator=self.gen)[:cost.run_rows(T, f)]] = True
+            cols.append(run.view(shape))
+        return (torch.stack(cols, -1) if self.sublayers else cols[0]).to(self.device)
+
+    def _args(self, h, run, ctx):
+        """The routed layer's arguments: h, x, g, run, valid, route maps (a sublayer layer's: the MLP's), ctx."""
+        valid = torch.ones(h.shape[:-1], dtype=torch.bool, device=self.device)
+        g = torch.where(run, 0.75, 0.25).to(self.dtype)
+        mask = run[..., 1] if self.sublayers else run
         x = self.layer.input_layernorm(h)
-        return h, x, g, run, valid, ops.route_maps(run, valid, impl=self.bodies["routed"].maps_impl), ctx
+        return h, x, g, run, valid, ops.route_maps(mask, valid, impl=self.bodies["routed"].maps_impl), ctx
 
     def prefill_inputs(self, T: int, f: float):
         """An extend of one prompt of T tokens (no prefix, no cache to write: the K/V of every row are
         computed either way), run_rows(T, f) of them RUN at random positions."""
         h = torch.randn(1, T, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
-        run = torch.zeros(T, dtype=torch.bool)
-        run[torch.randperm(T, generator=self.gen)[:cost.run_rows(T, f)]] = True
-        run = run.to(self.device).view(1, T)
-        valid = torch.ones_like(run)
-        g = torch.where(run, 0.75, 0.25).to(self.dtype)
+        run = self._run(T, f, (1, T))
         pos = torch.arange(T, device=self.device)[None]
         ctx = dict(attention_mask=None, position_embeddings=self.rope(h, pos), position_ids=pos,
                    past_key_values=None, use_cache=False)
-        x = self.layer.input_layernorm(h)
-        return h, x, g, run, valid, ops.route_maps(run, valid, impl=self.bodies["routed"].maps_impl), ctx
+        return self._args(h, run, ctx)
 
     def add_auto(self, calibration: cost.Calibration):
         """Add (or replace) body "auto": a fresh chooser over this bench's bodies that `calibration` times."""
@@ -157,18 +182,20 @@ BODIES = ("dense", "routed", "routed-mlp")  # what a calibration times, side by 
 
 def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", dtype=torch.float32, ts=None,
             fs=cost.GRID_F, repeats: int = 6, passes: int = 3, context: int = 128,
-            progress=True, phase: str = "decode") -> tuple[cost.Calibration, LayerBench]:
+            progress=True, phase: str = "decode", sublayers: bool = False) -> tuple[cost.Calibration, LayerBench]:
     """The calibration table: per cell, dense's lower quartile, and each routed body as that times
     its paired body/dense ratio (the ratio is what the choice needs; see side_by_side). The grid is
     swept `passes` times, each with its share of the rounds, and a cell's ratio is the median of
     its passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
     (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only.
-    phase: "decode" (ts default cost.GRID_T) or "prefill" (cost.PREFILL_T)."""
+    phase: "decode" (ts default cost.GRID_T) or "prefill" (cost.PREFILL_T). sublayers: time a sublayer
+    skipper's bodies, a cell's attention and MLP both at its f (LayerBench)."""
     if phase not in cost.PHASES:
         raise ValueError(f"phase={phase!r} is not one of {list(cost.PHASES)}")
     ts = ts if ts is not None else cost.GRID_T if phase == "decode" else cost.PREFILL_T
     device = torch.device(device)
-    bench = LayerBench(hidden, intermediate, heads, kv_heads, device, dtype=dtype, context=context)
+    bench = LayerBench(hidden, intermediate, heads, kv_heads, device, dtype=dtype, context=context,
+                       sublayers=sublayers)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rng = random.Random(0)
     rounds = {T: -(-repeats_at(T, repeats, short=32) // passes) for T in ts}  # per pass
@@ -188,13 +215,13 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
                 frac, el = done / (passes * sum(work)), time.perf_counter() - t_start
                 cols = "  ".join(f"{b}/dense {min(rs):.2f}-{max(rs):.2f}" for b in BODIES[1:]
                                  for rs in [[r[-1] for (b2, t, _), r in ratios.items() if t == T and b2 == b]])
-                print(f"calibrate: {phase} pass {p + 1}/{passes} T={T:<4} {cols}  "
+                print(f"calibrate: {'sublayer ' if sublayers else ''}{phase} pass {p + 1}/{passes} T={T:<4} {cols}  "
                       f"[{frac:.0%}, ETA {el / frac - el:.0f} s]", file=sys.stderr, flush=True)
     d = tuple(tuple(lower_quartile(dense[T, f]) for f in fs) for T in ts)  # a neighbour's load only adds time
     r = {b: tuple(tuple(d[i][j] * statistics.median(ratios[b, T, f]) for j, f in enumerate(fs))
                   for i, T in enumerate(ts)) for b in BODIES[1:]}
     cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d,
-                           r["routed"], cost.dtype_name(dtype), r["routed-mlp"], phase)
+                           r["routed"], cost.dtype_name(dtype), r["routed-mlp"], phase, sublayers)
     return cal, bench
 
 
@@ -223,6 +250,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-batch", type=int, default=None,
                     help="decode: time batch sizes of the grid up to this only (default: all, up to %d; beyond the "
                          "table the cost model scales its last row linearly)" % cost.GRID_T[-1])
+    ap.add_argument("--sublayers", action="store_true",
+                    help="time a sublayer skipper's bodies (attention and MLP decided apart: SkipGPT) instead of "
+                         "whole layers; cached beside the whole-layer tables")
     ap.add_argument("--export", help="also write the calibration to this directory (to ship it)")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -261,8 +291,8 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     for phase in cost.PHASES if args.phase == "both" else (args.phase,):
         cal, _ = measure(*dims, device=device, dtype=dtype, repeats=args.repeats, passes=args.passes, phase=phase,
-                         ts=ts if phase == "decode" else None)
-        print(f"{phase} calibration cached in {cost.save(cal)}")
+                         ts=ts if phase == "decode" else None, sublayers=args.sublayers)
+        print(f"{'sublayer ' if args.sublayers else ''}{phase} calibration cached in {cost.save(cal)}")
         if args.export:
             print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")
 

@@ -22,7 +22,9 @@ A sublayer skipper's layers (g, run [..., 2]: attention, MLP; skippers/base.py) 
                       every row), then the MLP's RUN rows through the MLP, dynamic shapes;
                       "routed-mlp": attention for every row (a mask selects), the MLP routed;
   FixedSublayerBody   the same two kinds with fixed shapes, device-side counts and vskipper's grouped
-                      ops (no host sync: CUDA graphs); its route maps are the MLP's (run[..., 1]).
+                      ops (no host sync: CUDA graphs); its route maps are the MLP's (run[..., 1]);
+  AutoBody            with the sublayer cost tables (`vskipper calibrate --sublayers`), these bodies and
+                      the chooser among them, which reads both sublayers' RUN fractions (cost.py).
 The bodies reach the engine only through the parts of vskipper/engines/parts.py. Shapes: T = rows,
 n = gathered rows, H = hidden; h/x may carry leading dims [B, S] (transformers).
 """
@@ -52,7 +54,9 @@ class Plan:
     tuned_kernels   Triton launches read this GPU's tuned configs (else their defaults)
     decode, prefill the cost tables of `auto` (None: none for this device)
     expected_run_fraction  the skipper's, what `auto` plans captured graphs with
-    shapes          why the shapes are what they are (for explain)"""
+    shapes          why the shapes are what they are (for explain)
+    sublayer_decode, sublayer_prefill  `auto`'s tables of a sublayer skipper's bodies, this shape only
+    calibrated_for  (device, hidden, intermediate, dtype name) `auto` looked its tables up for"""
 
     execution: str
     impl: str
@@ -62,27 +66,37 @@ class Plan:
     prefill: cost.Calibration | None = None
     expected_run_fraction: float | None = None
     shapes: str = ""
+    sublayer_decode: cost.Calibration | None = None
+    sublayer_prefill: cost.Calibration | None = None
+    calibrated_for: tuple = ()
 
 
 def resolve_plan(config: Config, device: torch.device, hidden: int, intermediate: int, dtype: torch.dtype,
                  expected_run_fraction: float | None = None) -> Plan:
     """Config + this device (+ its cost calibration, for auto) -> the Plan. Warns once when auto
-    has no calibration (dense-masked then) or no prefill table (prefill priced by decode's)."""
+    has no calibration (dense-masked then; not when there are sublayer tables, which a sublayer
+    skipper's layers read: make_sublayer_body warns for those) or no prefill table (prefill priced
+    by decode's)."""
     impl = ops.resolve_impl(config.impl, device)
     fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
     shapes = (f"static_shapes={config.static_shapes}" if config.static_shapes is not None
               else f"{'fixed' if fixed else 'dynamic'} shapes on {device.type}")
-    decode = prefill = None
+    decode = prefill = sub_decode = sub_prefill = None
+    found_for = ()
     if config.execution == "auto":
         dt = cost.dtype_name(dtype)
+        found_for = (device, hidden, intermediate, dt)
+        sub_decode, sub_prefill = (cost.load(device, hidden, intermediate, dt, phase, exact=True, sublayers=True)
+                                   for phase in cost.PHASES)
         decode = cost.load(device, hidden, intermediate, dt)
-        if decode is None:
+        if decode is None and sub_decode is None:
             cost.warn_uncalibrated(device, hidden, intermediate, dt)
-        else:
+        elif decode is not None:
             prefill = cost.load(device, hidden, intermediate, dt, phase="prefill")
             if prefill is None:
                 cost.warn_no_prefill(device, hidden, intermediate, dt)
-    return Plan(config.execution, impl, fixed, config.tuned_kernels, decode, prefill, expected_run_fraction, shapes)
+    return Plan(config.execution, impl, fixed, config.tuned_kernels, decode, prefill, expected_run_fraction, shapes,
+                sub_decode, sub_prefill, found_for)
 
 
 class Body:
@@ -228,7 +242,8 @@ class FixedRoutedBody(Body):
 
 
 class AutoBody(Body):
-    """A dense body and routed ones (by kind), and the chooser among them."""
+    """A dense body and routed ones (by kind), and the chooser among them: whole-layer bodies, or a
+    sublayer skipper's (the chooser's tables say which: Chooser.width 2 reads both sublayers' counts)."""
 
     name = "auto"
 
@@ -241,9 +256,16 @@ class AutoBody(Body):
             self.maps_impl, self.tuned = routed[0].maps_impl, routed[0].tuned
 
     def select(self, layer, h, x, run, valid, maps, ctx) -> Body:
-        # the RUN count: the maps' (on the device: fixed shapes) or read here (dynamic bodies, no maps)
-        counts = maps[2] if maps is not None else int((run & valid).sum())
-        name = self.chooser.choose(h.numel() // h.shape[-1], counts, layer.attention.is_decode(x, ctx))
+        T = h.numel() // h.shape[-1]
+        decode = layer.attention.is_decode(x, ctx)
+        if self.chooser.width == 1:
+            # the RUN count: the maps' (on the device: fixed shapes) or read here (dynamic bodies, no maps)
+            name = self.chooser.choose(T, maps[2] if maps is not None else int((run & valid).sum()), decode)
+        elif maps is not None and not maps[2].is_cpu and self.chooser.blind(maps[2]):
+            name = self.chooser.planned(T)  # capturing a graph: add nothing to it, read nothing
+        else:  # a sublayer layer's (attention RUN, MLP RUN): on the device, read a step late; or on the host
+            counts = (run & valid.unsqueeze(-1)).reshape(-1, 2).sum(0)  # [2]
+            name = self.chooser.choose(T, counts if maps is not None else tuple(counts.tolist()), decode)
         self.chosen[name] += 1
         return self.bodies[name]
 
@@ -251,8 +273,9 @@ class AutoBody(Body):
         return self.select(layer, h, x, run, valid, maps, ctx)(layer, h, x, g, run, valid, maps, ctx)
 
     def describe(self) -> str:
+        both = " from the attention's and the MLP's RUN fractions" if self.chooser.width == 2 else ""
         return (f"auto: {' or '.join(b.describe() for b in self.bodies.values())}, chosen per step on the host "
-                f"by the cost model")
+                f"by the cost model{both}")
 
 
 class SublayerDenseBody(Body):
@@ -347,21 +370,44 @@ class FixedSublayerBody(Body):
         return f"{what}, fixed shapes ({self.impl} ops; no host sync)"
 
 
+def sublayer_routed_body(plan: Plan, kind: str) -> Body:
+    """A sublayer skipper's routed body of `kind` in the plan's shapes (dynamic, or fixed and graph-safe)."""
+    return FixedSublayerBody(kind, plan.impl, plan.tuned_kernels) if plan.fixed_shapes else SublayerRoutedBody(kind)
+
+
 def make_sublayer_body(plan: Plan, attention: AttentionPart) -> tuple[Body, str]:
-    """The body of one routed layer of a sublayer skipper and why. `auto` runs dense-masked, the
-    always-correct form: the cost model does not time sublayer bodies yet. A fixed-shape "routed" body
-    needs an attention part that masks rows; where the engine has none, the layer runs "routed-mlp"."""
+    """The body of one routed layer of a sublayer skipper and why. `auto` chooses among the sublayer
+    bodies with the sublayer cost tables (plan.sublayer_decode/prefill); without them it runs dense-masked,
+    the always-correct form, and warns once. A fixed-shape "routed" body needs an attention part that
+    masks rows; where the engine has none, the layer runs "routed-mlp"."""
     if plan.execution == "dense":
         return SublayerDenseBody(), "execution='dense'"
+    no_mask = plan.fixed_shapes and not attention.masks_rows
+    why_mlp = (f"; {type(attention).__name__} has no fixed-shape masked attention, so attention runs for every row"
+               if no_mask else "")
     if plan.execution == "auto":
-        return SublayerDenseBody(), "execution='auto': the cost model does not time sublayer bodies yet"
+        decode, prefill = plan.sublayer_decode, plan.sublayer_prefill
+        if decode is None:
+            if plan.calibrated_for:
+                cost.warn_uncalibrated(*plan.calibrated_for, sublayers=True)
+            return SublayerDenseBody(), ("execution='auto': the cost model does not time sublayer bodies on this "
+                                         "device yet, so dense-masked (run `vskipper calibrate --sublayers`)")
+        if prefill is None and plan.calibrated_for:
+            cost.warn_no_prefill(*plan.calibrated_for, sublayers=True)
+        bodies: dict[str, Body] = {"dense": SublayerDenseBody()}
+        for kind in ROUTED_KINDS:
+            if not (kind == "routed" and no_mask):
+                bodies[kind] = sublayer_routed_body(plan, kind)
+        chooser = cost.Chooser(decode, plan.expected_run_fraction, prefill=prefill, bodies=tuple(bodies))
+        pre = (f"prefill calibration {prefill.key()!r}" if prefill is not None
+               else "no prefill calibration: prefill priced by the decode table")
+        return AutoBody(bodies, chooser), (f"execution='auto', {plan.shapes}, impl={plan.impl!r}, calibration "
+                                           f"{decode.key()!r}, {pre}{why_mlp}")
     why = f"execution={plan.execution!r}, {plan.shapes}"
     if not plan.fixed_shapes:
         return SublayerRoutedBody(plan.execution), why
-    if plan.execution == "routed" and not attention.masks_rows:
-        return (FixedSublayerBody("routed-mlp", plan.impl, plan.tuned_kernels),
-                f"{why}, impl={plan.impl!r}; {type(attention).__name__} has no fixed-shape masked attention, so "
-                f"attention runs for every row")
+    if plan.execution == "routed" and no_mask:
+        return FixedSublayerBody("routed-mlp", plan.impl, plan.tuned_kernels), f"{why}, impl={plan.impl!r}{why_mlp}"
     return FixedSublayerBody(plan.execution, plan.impl, plan.tuned_kernels), f"{why}, impl={plan.impl!r}"
 
 
