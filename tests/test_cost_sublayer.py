@@ -173,3 +173,35 @@ def test_auto_without_sublayer_tables_runs_dense_and_warns_once():
         m = transformed(base, sk, "auto")
     assert "no prefill calibration: prefill priced by the decode table" in vskipper.explain(m)
 
+
+def test_serve_calibrates_sublayer_tables_for_a_sublayer_skipper(monkeypatch, tmp_path):
+    from vskipper import calibrate, first_start
+    from vskipper.integrations.sglang.settings import Settings
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=40, intermediate_size=72, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=6)
+    (model / "config.json").write_text(json.dumps(cfg))
+    seen = []
+
+    def fake_measure(*a, phase, sublayers, **k):
+        seen.append((phase, sublayers))
+        return sublayer_table(phase) if sublayers else dataclasses.replace(synthetic_calibration(), phase=phase), None
+
+    monkeypatch.setattr(calibrate, "measure", fake_measure)
+    threads = torch.get_num_threads()  # (the server's: the calibration is kept per thread count)
+
+    def prepare(spec):
+        settings = Settings.from_env({"VSKIPPER_SKIPPER": spec} if spec else {})
+        return first_start.prepare(["x"], {}, settings, str(model), True, threads, False, log=lambda m: None)
+
+    line = prepare("random:attn_rate=0.5,mlp_rate=0.5,layers=1-3")
+    assert seen == [("decode", True), ("prefill", True)] and "measured now" in line, line
+    assert "bodies chosen by the cost model" in prepare("random:attn_rate=0.5,layers=1") and len(seen) == 2  # reused
+    prepare("random:rate=0.5,layers=1")
+    assert seen[2:] == [("decode", False), ("prefill", False)]  # a whole-layer skipper: whole-layer tables
+    cfg.update(architectures=["SkipGPTLlamaForCausalLM"], skipgpt={"layers": [1, 3]})
+    (model / "config.json").write_text(json.dumps(cfg))
+    line = prepare(None)  # a SkipGPT checkpoint: its own sublayer skipper, priced by the tables above
+    assert "its own SkipGPT skipper on layers 1-3" in line and "reused" in line and len(seen) == 4, line

@@ -35,10 +35,11 @@ def serve_threads(threads: int | None) -> int:
 
 
 def ensure_calibration(model_path: str, device: str, dtype: str, threads: int, max_batch: int,
-                       log=print) -> tuple[cost.Calibration, cost.Calibration, str]:
+                       log=print, sublayers: bool = False) -> tuple[cost.Calibration, cost.Calibration, str]:
     """(decode table, prefill table, what happened) for this device at `threads` threads and this
     model's shape: the cached ones if both are there, else measured now (the decode batch sizes up to
-    `max_batch`) and cached. Progress on stderr with an ETA."""
+    `max_batch`) and cached. sublayers: a sublayer skipper's tables (only those: its layers read no
+    others). Progress on stderr with an ETA."""
     from vskipper.calibrate import measure, shape_of
 
     if device == "cpu":
@@ -46,14 +47,15 @@ def ensure_calibration(model_path: str, device: str, dtype: str, threads: int, m
     hidden, inter, heads, kv = shape_of(model_path)
     found = {}
     for phase in cost.PHASES:
-        cal = cost.load(device, hidden, inter, dtype, phase=phase, exact=True)
+        cal = cost.load(device, hidden, inter, dtype, phase=phase, exact=True, sublayers=sublayers)
         if cal is not None:
             found[phase] = cal
     where = cost.cache_dir() / (cost.cache.slug(cost.device_name(device)) + ".json")
     if len(found) == len(cost.PHASES):
         return found["decode"], found["prefill"], f"reused from {where}"
     missing = [p for p in cost.PHASES if p not in found]
-    log(f"vskipper: no cost calibration for {cost.device_name(device)} ({hidden}x{inter}, {dtype}) yet: measuring "
+    what = "sublayer cost calibration" if sublayers else "cost calibration"
+    log(f"vskipper: no {what} for {cost.device_name(device)} ({hidden}x{inter}, {dtype}) yet: measuring "
         f"{' and '.join(missing)} before the server starts (once; cached in {where}; --no-calibrate skips it)")
     t0 = time.perf_counter()
     on_cpu = device == "cpu"
@@ -61,7 +63,7 @@ def ensure_calibration(model_path: str, device: str, dtype: str, threads: int, m
         ts = (tuple(t for t in cost.GRID_T if t <= max(2, max_batch)) if phase == "decode"
               else CPU_PREFILL_T if on_cpu else cost.PREFILL_T)
         cal, _ = measure(hidden, inter, heads, kv, device=device, dtype=getattr(torch, dtype), ts=ts,
-                         repeats=3 if on_cpu else 6, passes=2 if on_cpu else 3, phase=phase)
+                         repeats=3 if on_cpu else 6, passes=2 if on_cpu else 3, phase=phase, sublayers=sublayers)
         cost.save(cal)
         found[phase] = cal
     return found["decode"], found["prefill"], f"measured now in {time.perf_counter() - t0:.0f} s, cached in {where}"
@@ -138,11 +140,21 @@ def prepare(cmd: list[str], env: dict, settings, model_path: str, on_cpu: bool, 
         threads = serve_threads(threads)
         env["OMP_NUM_THREADS"] = str(threads)
         where = f"cpu, {threads} thread{'s' if threads != 1 else ''}"
+    from vskipper.skippers.skipgpt import ARCHITECTURE as SKIPGPT
+
     cfg = read_config(model_path)
-    if (cfg.get("architectures") or [None])[0] in DD_ARCHITECTURES:
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch in DD_ARCHITECTURES:
         from vskipper.skippers.flexidepth import FlexiDepth
 
         skipper, what = FlexiDepth.from_fields(skipper_fields(cfg, model_path)), "its own FlexiDepth skipper"
+    elif arch == SKIPGPT:
+        from vskipper.skippers.skipgpt import SkipGPT, fields
+
+        layers = fields(cfg, model_path)[0]
+        with torch.device("meta"):  # what it routes and how, not its weights
+            skipper = SkipGPT(range(cfg["num_hidden_layers"]) if layers is None else layers, cfg["hidden_size"])
+        what = "its own SkipGPT skipper"
     elif settings.skipper_spec:
         from vskipper.skippers import parse_skipper
 
@@ -159,17 +171,19 @@ def prepare(cmd: list[str], env: dict, settings, model_path: str, on_cpu: bool, 
     dtype = flag_value(cmd, "--dtype", "auto")
     dtype = dtype if dtype in ("float32", "float16", "bfloat16") else "float32" if on_cpu else "bfloat16"
     max_batch = int(flag_value(cmd, "--max-running-requests", 0) or (CPU_MAX_BATCH if on_cpu else cost.GRID_T[-1]))
+    sublayers = bool(skipper.sublayers)  # a sublayer skipper's layers are priced by sublayer tables only
     if no_calibrate:
         hidden, inter = cfg.get("hidden_size"), cfg.get("intermediate_size")
-        decode = cost.load(device, hidden, inter, dtype, exact=True)
-        prefill = cost.load(device, hidden, inter, dtype, phase="prefill", exact=True)
+        decode, prefill = (cost.load(device, hidden, inter, dtype, phase, exact=True, sublayers=sublayers)
+                           for phase in cost.PHASES)
         if decode is None:
             return (f"{head}; NOT CALIBRATED for {cost.device_name(device)}, so every routed layer runs dense-masked "
                     f"(the skipper's answers, none of its speed): drop --no-calibrate, or run `vskipper calibrate "
-                    f"--model {model_path}{f' --threads {threads}' if on_cpu else ''}`"
+                    f"--model {model_path}{f' --threads {threads}' if on_cpu else ''}"
+                    f"{' --sublayers' if sublayers else ''}`"
                     + ("; elastic depth stays at level 0 without it" if settings.tpot_ms is not None else ""))
         how = "reused"
     else:
-        decode, prefill, how = ensure_calibration(model_path, device, dtype, threads or 0, max_batch, log)
+        decode, prefill, how = ensure_calibration(model_path, device, dtype, threads or 0, max_batch, log, sublayers)
     bodies = bodies_line(decode, prefill or decode, skipper.expected_run_fraction, max_batch)
     return f"{head}; bodies chosen by the cost model {bodies}; calibration {how}"
