@@ -18,7 +18,9 @@ settings.register_profile("cpu", deadline=None, max_examples=25)
 settings.register_profile("gpu", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cpu"))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads, or OMP_NUM_THREADS where set: on a machine whose other core is busy, a second thread
+# waits for it at every op (a tiny matmul then takes milliseconds), so run the tests with one there
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
 
 
 @pytest.fixture(autouse=True)
