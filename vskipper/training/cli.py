@@ -1,11 +1,14 @@
-"""`vskipper train`: its flags and its entry point (vskipper/cli.py only adds the subparser)."""
+"""`vskipper train`: its flags and its entry point (vskipper/cli.py only adds the subparser).
+
+--family flexidepth (the default) trains FlexiDepth routers and adapters; --family skipgpt trains SkipGPT's
+attention and MLP routers only (SkipGPT's second stage, LoRA over the base, is not done here)."""
 from __future__ import annotations
 
 import argparse
 import math
 import sys
 
-from vskipper.training.config import DATA_SETS, TrainConfig
+from vskipper.training.config import DATA_SETS, FAMILIES, TrainConfig
 
 DEFAULTS = TrainConfig(layers=(0,))
 
@@ -20,7 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default %(default)s)")
     p.add_argument("--max-prompts", type=int, help="train on at most this many of those prompts, evenly spaced "
                                                   "over them (every kind keeps its share; default: all)")
-    p.add_argument("--gate", choices=["soft", "hard"], default=d.gate)
+    p.add_argument("--family", choices=list(FAMILIES), default=d.family,
+                   help="flexidepth (default): one router and adapter per routed layer; skipgpt: SkipGPT's two "
+                        "routers per routed layer, attention and MLP skipped separately (routers only, no LoRA)")
+    p.add_argument("--gate", choices=["soft", "hard"],
+                   help=f"flexidepth's gate (default {d.gate}); skipgpt is hard-gated (a skipped sublayer is the "
+                        f"identity)")
     p.add_argument("--loss", choices=["kl", "lm"], default=d.loss)
     p.add_argument("--penalty", default=str(d.penalty), help=f"skip penalty weight (default {d.penalty})")
     p.add_argument("--penalty-warmup", type=int, default=d.penalty_warmup)
@@ -70,7 +78,15 @@ def _config(args: argparse.Namespace, num_layers: int) -> TrainConfig:
         raise ValueError(f"--data={args.data!r}: expected prompt sets among {', '.join(DATA_SETS)}, comma-separated")
     if args.max_prompts is not None and args.max_prompts < 1:
         raise ValueError(f"--max-prompts={args.max_prompts}: expected a positive number of prompts")
-    return TrainConfig(layers=tuple(layers), data=data, max_prompts=args.max_prompts, gate=args.gate, loss=args.loss,
+    if args.family == "skipgpt" and args.gate not in (None, "hard"):
+        raise ValueError(f"--gate {args.gate}: --family skipgpt is hard-gated (a skipped sublayer is the identity); "
+                         f"drop --gate or pass --gate hard")
+    if args.family == "skipgpt" and args.no_full_checkpoint:
+        raise ValueError("--no-full-checkpoint: --family skipgpt writes only its full checkpoint (SkipGPT's layout "
+                         "holds the base weights beside the routers); drop the flag")
+    gate = args.gate or ("hard" if args.family == "skipgpt" else DEFAULTS.gate)
+    return TrainConfig(layers=tuple(layers), family=args.family, data=data, max_prompts=args.max_prompts, gate=gate,
+                       loss=args.loss,
                        penalty=penalty,
                        penalty_warmup=args.penalty_warmup, target_skip=args.target_skip,
                        target_rate=args.target_rate, init_logit=args.init_logit,

@@ -9,12 +9,16 @@ from vskipper.skippers.base import check_layers
 LOSSES = ("kl", "lm")
 DATA_SETS = ("prompts", "chat")  # shipped prompt sets with a training split (vskipper/data)
 INITS = ("warm", "random")
+FAMILIES = ("flexidepth", "skipgpt")  # the skipper trained: one router per layer, or two per layer (sublayers)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Hyperparameters of `vskipper train` (docs/training.md explains each choice).
 
+    family          "flexidepth": FlexiDepth's router and adapter per routed layer (one decision per token and
+                    layer); "skipgpt": SkipGPT's two routers per routed layer, attention and MLP decided
+                    separately, a skipped sublayer the identity (hard gate only, no adapter, no LoRA)
     layers          routed layer indices
     data            the shipped prompt sets (vskipper.data.load) whose training split the base model
                     answers for self-distillation: "prompts" (word problems, reasoning), "chat"
@@ -23,19 +27,23 @@ class TrainConfig:
     loss            "kl": KL(base || skipper) over the base's top-k + the rest of the vocabulary;
                     "lm": cross-entropy on the next token of the self-distilled text
     penalty         weight of the skip penalty mean_t((1/L) sum_l g_lt)^2 (FlexiDepth's squared
-                    per-token gate sum, divided by L so the weight does not depend on L); with
-                    target_skip, the starting weight
+                    per-token gate sum, divided by L so the weight does not depend on L; skipgpt: g_lt is
+                    the work-weighted run probability of the layer's two sublayers); with target_skip,
+                    the starting weight
     target_skip     if set, the penalty weight is a multiplier adapted every step towards this
                     skip ratio: w <- w * exp(target_rate * (target - skip) / target), skip being the
-                    batch's share of PROJECT decisions over routed layers and real tokens
+                    batch's share of PROJECT decisions over routed layers and real tokens (skipgpt: the
+                    share of skipped sublayer work, forward.sublayer_work)
     penalty_warmup  steps over which the penalty weight ramps linearly from 0
     straight_through add the straight-through term (gradient R - P through the hard decision)
     init            "warm": routers start with g ~ sigmoid(init_logit) (0.98) on (almost) every token,
-                    adapters at zero (the skipper starts as the base model); "random": PyTorch's
+                    adapters at zero (the skipper starts as the base model; skipgpt: every token
+                    executes both sublayers, p_run = sigmoid(init_logit)); "random": PyTorch's
                     default init
     """
 
     layers: tuple[int, ...]
+    family: str = "flexidepth"
     data: tuple[str, ...] = ("prompts",)
     max_prompts: int | None = None
     gate: str = "soft"
@@ -70,8 +78,13 @@ class TrainConfig:
         n = self.max_prompts
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"TrainConfig: max_prompts={self.max_prompts!r} must be a positive integer or None")
+        if self.family not in FAMILIES:
+            raise ValueError(f"TrainConfig: family={self.family!r} must be one of {list(FAMILIES)}")
         if self.gate not in ("soft", "hard"):
             raise ValueError(f"TrainConfig: gate={self.gate!r} must be 'soft' or 'hard'")
+        if self.family == "skipgpt" and self.gate != "hard":
+            raise ValueError(f"TrainConfig: family='skipgpt' is hard-gated (a skipped sublayer is the identity), "
+                             f"got gate={self.gate!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"TrainConfig: loss={self.loss!r} must be one of {list(LOSSES)}")
         if self.init not in INITS:

@@ -16,6 +16,14 @@ Its value is exactly zero (g - g == 0 in IEEE arithmetic), so the forward is the
 forward bit for bit and sees the same RUN/PROJECT decisions; its gradient d out / d g = R - P
 tells the router what switching the token's route would change. On top of it the soft gate
 keeps its own gradient through the g / (1 - g) scaling.
+
+A sublayer skipper (SkipGPT, vskipper/skippers/skipgpt.py) has two routers per routed layer, both on
+the layer's input h; each gives logits [execute, skip] and the inference decision
+run = not(logit_skip > logit_execute). Training adds a differentiable run probability per sublayer,
+p = sigmoid(logit_execute - logit_skip), through the same straight-through term:
+    h1  = where(run_a, h + a, h) + (p_a - sg(p_a)) * a        a = attn(x), every token's K/V written
+    out = where(run_m, h1 + m, h1) + (p_m - sg(p_m)) * m      m = mlp(post_ln(h1))
+again exactly the inference forward in value.
 """
 from __future__ import annotations
 
@@ -26,14 +34,48 @@ from torch import nn
 
 from vskipper.models.rotary import rope_tables
 from vskipper.reference import attention
-from vskipper.skippers.base import Skipper, gate_combine, project_value, run_value, sanitize_gate
+from vskipper.skippers.base import Skipper, gate_combine, project_value, run_value, sanitize_gate, sublayer_value
+from vskipper.skippers.skipgpt import SkipGPT
 
 
 @dataclass
 class SkipOutput:
     hidden: torch.Tensor  # [B, S, H] after the last decoder layer, before the final norm
-    gates: dict  # {layer: g [B, S]} (sanitized: non-finite -> 1), differentiable
-    run: dict  # {layer: run [B, S] bool}
+    gates: dict  # {layer: g [B, S]} (sanitized: non-finite -> 1), differentiable; sublayers: p_run [B, S, 2]
+    run: dict  # {layer: run [B, S] bool}; sublayers: [B, S, 2] (attention, MLP)
+
+
+def sublayer_work(config) -> tuple[float, float]:
+    """The shares of a decoder layer's work that its attention and its MLP are, (attention, mlp), summing
+    to 1: each sublayer's linear-layer FLOPs per token (q, k, v, o: H * (2 nh + 2 kvh) * d; a SwiGLU MLP:
+    3 H I), i.e. at short context, where the attention's score arithmetic (growing with the context) is
+    small. SmolLM2-135M: 884,736 and 2,654,208 weights, 0.25 and 0.75. `config`: a transformers config."""
+    H, I = config.hidden_size, config.intermediate_size
+    nh, kvh = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    d = getattr(config, "head_dim", None) or H // nh
+    attn, mlp = H * (2 * nh + 2 * kvh) * d, 3 * H * I
+    return attn / (attn + mlp), mlp / (attn + mlp)
+
+
+def sublayer_routed_layer(layer: nn.Module, skipper: Skipper, index: int, h: torch.Tensor, cos, sin,
+                          straight_through: bool):
+    """One routed layer of a SkipGPT skipper. h [B, S, H] -> (out [B, S, H], p_run [B, S, 2], run [B, S, 2])."""
+    router = skipper.router(index)
+    logits = torch.stack([router.router_attention.logits(h), router.router_mlp.logits(h)], -2)  # [B, S, 2, 2]
+    run = ~(logits[..., 1] > logits[..., 0])  # [B, S, 2]: SkipGPT's argmax (a tie, a NaN: RUN)
+    p = torch.nan_to_num(torch.sigmoid(logits[..., 0] - logits[..., 1]), nan=1.0)  # [B, S, 2]
+    st = straight_through and torch.is_grad_enabled() and p.requires_grad
+    a = attention(layer.self_attn, layer.input_layernorm(h), cos, sin)  # K/V of every token feed every query
+    h1 = sublayer_value(h, a, run[..., 0])
+    if st:
+        pa = p[..., :1].to(h.dtype)
+        h1 = h1 + (pa - pa.detach()) * a  # == 0 in value
+    m = layer.mlp(layer.post_attention_layernorm(h1))
+    out = sublayer_value(h1, m, run[..., 1])
+    if st:
+        pm = p[..., 1:].to(h.dtype)
+        out = out + (pm - pm.detach()) * m  # == 0 in value
+    return out, p, run
 
 
 def routed_layer(layer: nn.Module, skipper: Skipper, index: int, h: torch.Tensor, cos, sin,
@@ -66,6 +108,9 @@ def skip_forward(model: nn.Module, skipper: Skipper, input_ids: torch.Tensor, *,
         h, start_layer = inner.embed_tokens(input_ids), 0
     else:
         h = start_hidden
+    if skipper.sublayers and not isinstance(skipper, SkipGPT):
+        raise TypeError(f"skip_forward: a sublayer skipper trains as SkipGPT's routers (logits [execute, skip]); "
+                        f"got {type(skipper).__name__}")
     if any(l < start_layer for l in skipper.layers):
         raise ValueError(f"skip_forward: start_layer={start_layer} is past routed layer {min(skipper.layers)}")
     cos, sin = rope_tables(inner.rotary_emb, S, h.device, h.dtype)
@@ -74,7 +119,9 @@ def skip_forward(model: nn.Module, skipper: Skipper, input_ids: torch.Tensor, *,
     gates, runs = {}, {}
     for i in range(start_layer, len(inner.layers)):
         layer = inner.layers[i]
-        if i in routed:
+        if i in routed and skipper.sublayers:
+            h, gates[i], runs[i] = sublayer_routed_layer(layer, skipper, i, h, cos, sin, straight_through)
+        elif i in routed:
             h, gates[i], runs[i] = routed_layer(layer, skipper, i, h, cos, sin, positions, input_ids,
                                                 straight_through)
         else:
@@ -92,7 +139,8 @@ def logits_of(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def greedy(model: nn.Module, skipper: Skipper, input_ids: torch.Tensor, max_new_tokens: int):
     """Greedy decoding by full recompute with the training forward (eval semantics), one sequence.
-    input_ids [S] -> (tokens [S + n], decisions {layer: run [S + n - 1]} of the last forward)."""
+    input_ids [S] -> (tokens [S + n], decisions {layer: run [S + n - 1] (sublayers: [S + n - 1, 2])} of the
+    last forward)."""
     ids = input_ids.reshape(1, -1)
     out = None
     for _ in range(max_new_tokens):

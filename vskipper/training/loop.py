@@ -1,6 +1,8 @@
 """The training loop: routers and adapters over a frozen base model.
 
 loss = KL(base || skipper)  (or LM cross-entropy)  +  lambda * mean_t ((1/L) sum_l g_lt)^2
+(SkipGPT: g_lt = w_a p_a + w_m p_m, the work-weighted run probability of layer l's two sublayers,
+w = forward.sublayer_work; its skip ratio is the share of skipped sublayer work.)
 Only the skipper's tensors train (AdamW); the base model is frozen and its layers before the
 first routed layer are replaced by their cached output (TargetSet.start_hidden).
 Resumable: `save_state(dir)` writes the skipper, the optimizer moments and the step as
@@ -19,28 +21,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vskipper.skippers.base import Skipper
 from vskipper.skippers.flexidepth import FlexiDepth
+from vskipper.skippers.skipgpt import SkipGPT
 from vskipper.training.config import TrainConfig
 from vskipper.training.data import Batcher, TargetSet, base_forward, right_pad
-from vskipper.training.forward import logits_of, skip_forward
+from vskipper.training.forward import logits_of, skip_forward, sublayer_work
 
 STATE_TENSORS = "state.safetensors"
 STATE_JSON = "state.json"
 
 
-def make_skipper(c, cfg: TrainConfig) -> FlexiDepth:
-    """A FlexiDepth skipper for a model with config `c` under `cfg` (ValueError naming a bad layer)."""
+def make_skipper(c, cfg: TrainConfig) -> FlexiDepth | SkipGPT:
+    """A skipper of cfg.family for a model with config `c` under `cfg` (ValueError naming a bad layer)."""
     n = c.num_hidden_layers
     bad = [l for l in cfg.layers if l >= n]
     if bad:
         raise ValueError(f"layers {bad} are out of range for a model with {n} layers (valid: 0..{n - 1})")
+    if cfg.family == "skipgpt":
+        return SkipGPT(cfg.layers, c.hidden_size)
     return FlexiDepth(cfg.layers, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                       rms_norm_eps=c.rms_norm_eps, gate=cfg.gate, router_reduction_factor=cfg.router_reduction_factor,
                       proj_reduction_factor=cfg.proj_reduction_factor)
 
 
+def _layer_inputs(model: nn.Module, data: TargetSet, layers, n_seq: int, normed: bool) -> dict[int, torch.Tensor]:
+    """The base model's input_layernorm(h) (normed) or h at each of `layers`, over the real tokens of the
+    first `n_seq` training sequences: {layer: [n, H]}."""
+    seqs = [data.ids[data.rows(i)] for i in range(min(n_seq, len(data)))]
+    ids, valid = right_pad(seqs)
+    xs: dict[int, torch.Tensor] = {}
+    if normed:
+        hooks = [model.model.layers[l].input_layernorm.register_forward_hook(
+            lambda m, a, out, l=l: xs.__setitem__(l, out[valid])) for l in layers]
+    else:
+        hooks = [model.model.layers[l].input_layernorm.register_forward_pre_hook(
+            lambda m, a, l=l: xs.__setitem__(l, a[0][valid])) for l in layers]
+    try:
+        base_forward(model, ids, capture=0)
+    finally:
+        for h in hooks:
+            h.remove()
+    return xs
+
+
 @torch.no_grad()
-def warm_start(skipper: FlexiDepth, model: nn.Module, data: TargetSet, seed: int, n_seq: int = 16,
+def warm_start(skipper: FlexiDepth | SkipGPT, model: nn.Module, data: TargetSet, seed: int, n_seq: int = 16,
                logit: float = 4.0) -> dict[int, float]:
     """Start every router at g ~ sigmoid(logit) on (almost) every token and every adapter at zero,
     so training starts from the base model and the penalty has to earn each skip.
@@ -49,18 +75,13 @@ def warm_start(skipper: FlexiDepth, model: nn.Module, data: TargetSet, seed: int
     same g to every token. But the normalized hidden states of an LLM share a dominant direction:
     with router_enc's first row along the mean x of the layer (measured on `n_seq` training
     sequences), tanh(router_norm(.)) of that row is ~ +1 for every token with a positive projection,
-    and router_head reads it with weight `logit`. Returns {layer: share of tokens that start at RUN}."""
+    and router_head reads it with weight `logit`. Returns {layer: share of tokens that start at RUN}.
+
+    SkipGPT (warm_start_skipgpt): the router has biases, so every token starts executing both sublayers."""
+    if isinstance(skipper, SkipGPT):
+        return warm_start_skipgpt(skipper, model, data, seed, n_seq, logit)
     g = torch.Generator().manual_seed(seed)
-    seqs = [data.ids[data.rows(i)] for i in range(min(n_seq, len(data)))]
-    ids, valid = right_pad(seqs)
-    xs: dict[int, torch.Tensor] = {}  # the base model's input_layernorm(h) at every routed layer
-    hooks = [model.model.layers[l].input_layernorm.register_forward_hook(
-        lambda m, a, out, l=l: xs.__setitem__(l, out[valid])) for l in skipper.layers]
-    try:
-        base_forward(model, ids, capture=0)
-    finally:
-        for h in hooks:
-            h.remove()
+    xs = _layer_inputs(model, data, skipper.layers, n_seq, normed=True)
     share = {}
     for l in skipper.layers:
         r = skipper.router(l)
@@ -85,14 +106,41 @@ def warm_start(skipper: FlexiDepth, model: nn.Module, data: TargetSet, seed: int
     return share
 
 
+@torch.no_grad()
+def warm_start_skipgpt(skipper: SkipGPT, model: nn.Module, data: TargetSet, seed: int, n_seq: int = 16,
+                       logit: float = 4.0) -> dict[int, float]:
+    """Every SkipGPT router starts executing every token with p_run = sigmoid(logit) (0.98): its
+    weight_predictor's weight is zero and its bias (logit, 0) (execute, skip), so the skipper starts as
+    the base model. hidden_layer is random, scaled to the layer's input h (its RMS over the real tokens
+    of `n_seq` training sequences: the residual stream grows with depth), so that its pre-activations are
+    O(1) and the first steps move the logits by O(lr). Returns {layer: share of (token, sublayer) pairs
+    that start at RUN} (1.0)."""
+    g = torch.Generator().manual_seed(seed)
+    hs = _layer_inputs(model, data, skipper.layers, n_seq, normed=False)
+    share = {}
+    for l in skipper.layers:
+        h = hs[l]  # [n, H]
+        rms = h.pow(2).mean().sqrt()
+        for tr in (skipper.router(l).router_attention, skipper.router(l).router_mlp):
+            H = tr.hidden_layer.weight.shape[1]
+            tr.hidden_layer.weight.copy_(torch.randn(tr.hidden_layer.weight.shape, generator=g) / math.sqrt(H) / rms)
+            tr.hidden_layer.bias.zero_()
+            tr.weight_predictor.weight.zero_()
+            tr.weight_predictor.bias.copy_(torch.tensor([logit, 0.0]))
+        share[l] = float(skipper.router(l)(h).float().mean())
+    return share
+
+
 class Trainer:
-    def __init__(self, model: nn.Module, skipper: FlexiDepth, data: TargetSet, cfg: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, skipper: Skipper, data: TargetSet, cfg: TrainConfig) -> None:
         if tuple(skipper.layers) != cfg.layers:
             raise ValueError(f"Trainer: skipper layers {list(skipper.layers)} != config layers {list(cfg.layers)}")
         if min(cfg.layers) < data.start_layer:
             raise ValueError(f"Trainer: routed layer {min(cfg.layers)} is before the cached start layer "
                              f"{data.start_layer}")
         self.model, self.skipper, self.data, self.cfg = model, skipper, data, cfg
+        # per-decision work weights: a sublayer skipper's (attention, MLP) shares of a layer's work
+        self.work = torch.tensor(sublayer_work(model.config)) if skipper.sublayers else None
         for p in model.parameters():
             p.requires_grad_(False)
         self.params = [p for _, p in sorted(skipper.named_parameters())]
@@ -145,14 +193,17 @@ class Trainer:
             nxt = torch.full_like(ids, -100)
             nxt[:, :-1] = ids[:, 1:].masked_fill(~valid[:, 1:], -100)
             main = F.cross_entropy(logq, nxt[valid], ignore_index=-100)
-        g = torch.stack([out.gates[l][valid] for l in self.skipper.layers])  # [L, n]
-        run = torch.stack([out.run[l][valid] for l in self.skipper.layers])
-        usage = g.float().mean(0)  # [n]: (1/L) sum_l g_lt
+        g = torch.stack([out.gates[l][valid] for l in self.skipper.layers]).float()  # [L, n] (sublayers [L, n, 2])
+        run = torch.stack([out.run[l][valid] for l in self.skipper.layers]).float()
+        parts = {}
+        if self.work is not None:  # work-weighted: a layer's run share = w_a run_a + w_m run_m
+            parts["skip_attention"], parts["skip_mlp"] = (1.0 - run.mean((0, 1))).tolist()
+            g, run = g @ self.work, run @ self.work  # [L, n]
+        usage = g.mean(0)  # [n]: (1/L) sum_l g_lt
         pen = usage.pow(2).mean()
         total = main + penalty * pen
-        parts = {"main": float(main.detach()), "penalty": float(pen.detach()), "skip": 1.0 - float(run.float().mean()),
-                 "tokens": int(valid.sum()),
-                 "skip_per_layer": (1.0 - run.float().mean(1)).tolist()}
+        parts.update({"main": float(main.detach()), "penalty": float(pen.detach()), "skip": 1.0 - float(run.mean()),
+                      "tokens": int(valid.sum()), "skip_per_layer": (1.0 - run.mean(1)).tolist()})
         return total, parts
 
     @torch.no_grad()
@@ -162,6 +213,8 @@ class Trainer:
         indices = list(range(len(self.data))) if indices is None else indices
         bs = batch_size or self.cfg.batch_size
         sums, n = {"main": 0.0, "penalty": 0.0, "skip": 0.0}, 0
+        if self.work is not None:
+            sums |= {"skip_attention": 0.0, "skip_mlp": 0.0}
         for b in range(0, len(indices), bs):
             _, parts = self.losses(indices[b:b + bs], 0.0)
             for k in sums:
@@ -206,8 +259,12 @@ class Trainer:
                 per_step = (now - t_start) / (self.step - start_step)
                 eta = per_step * (until - self.step)
                 avg = {k: sum(p[k] for p in window) / len(window) for k in ("loss", "main", "penalty", "skip")}
+                sub = ""
+                if "skip_mlp" in parts:  # a sublayer skipper: skip is of the work, these of each sublayer's tokens
+                    sub = (f" of work (attention {100 * sum(p['skip_attention'] for p in window) / len(window):.1f}%, "
+                           f"MLP {100 * sum(p['skip_mlp'] for p in window) / len(window):.1f}%)")
                 log(f"step {self.step}/{until} | loss {avg['loss']:.4f} = {self.cfg.loss} {avg['main']:.4f} + "
-                    f"{parts['penalty_weight']:.3g} x pen {avg['penalty']:.4f} | skip {100 * avg['skip']:.1f}% | "
+                    f"{parts['penalty_weight']:.3g} x pen {avg['penalty']:.4f} | skip {100 * avg['skip']:.1f}%{sub} | "
                     f"lr {parts['lr']:.2e} | {rate:.0f} tok/s | ETA {_hms(eta)}")
                 window, t_win, tok_win = [], now, 0
             if on_save and (self.step % self.cfg.save_every == 0 or self.step == until):
@@ -244,7 +301,7 @@ class Trainer:
         if not (path / STATE_JSON).is_file() or not (path / STATE_TENSORS).is_file():
             raise ValueError(f"resume: {str(path)!r} holds no saved training state ({STATE_JSON}, {STATE_TENSORS})")
         meta = json.loads((path / STATE_JSON).read_text())
-        saved, now = meta["config"], self.cfg.to_dict()
+        saved, now = {"family": "flexidepth"} | meta["config"], self.cfg.to_dict()  # older states: FlexiDepth
         diff = {k: (saved.get(k), v) for k, v in now.items()
                 if k not in TrainConfig.RESUMABLE_CHANGES and saved.get(k) != v}
         if diff:

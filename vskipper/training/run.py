@@ -7,6 +7,8 @@ Output directory:
                                                 what ships in vskipper/data/skippers/
     state/                                      the latest training state, for --resume
     train_log.jsonl                             one record per step
+With family "skipgpt": config.json + model.safetensors in SkipGPT's layout (shipped.write_skipgpt_checkpoint,
+loadable by vskipper.from_pretrained) + tokenizer, state/ and train_log.jsonl; no skipper/ directory.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def evenly_spaced(items: list, n: int) -> list:
 
 def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_new_tokens: int = 128,
           full_checkpoint: bool = True, log=_log) -> Trainer:
-    """Train a FlexiDepth skipper for the model in `model_dir` (default: the bundled
+    """Train a skipper of cfg.family for the model in `model_dir` (default: the bundled
     SmolLM2-135M-Instruct) on the training split of the shipped prompts, and write `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,9 +43,12 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
     from vskipper.data import load
     from vskipper.models.smollm2 import smollm2_dir
     from vskipper.training.data import cached_targets, model_tag, self_distillation, split_prompts
-    from vskipper.training.shipped import TOKENIZER_FILES, write_skipper_dir
+    from vskipper.training.shipped import TOKENIZER_FILES, write_skipgpt_checkpoint, write_skipper_dir
 
     out = Path(out_dir)
+    if cfg.family == "skipgpt" and not full_checkpoint:
+        raise ValueError("--no-full-checkpoint: a skipgpt run writes only its full checkpoint (SkipGPT's layout "
+                         "holds the base weights beside the routers); drop the flag")
     if resume and not (out / "state").is_dir():
         raise ValueError(f"--resume: {str(out)!r} has no saved training state (expected {out / 'state'})")
     if not resume and (out / "state").is_dir():
@@ -71,7 +76,8 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
         f"({sum(len(r['ids']) - r['n_prompt'] for r in rows)} generated)")
     if cfg.init == "warm":
         share = warm_start(skipper, model, data, cfg.seed, logit=cfg.init_logit)
-        log(f"warm start: {100 * sum(share.values()) / len(share):.1f}% of tokens start at RUN")
+        what = "(token, sublayer) pairs" if skipper.sublayers else "tokens"
+        log(f"warm start: {100 * sum(share.values()) / len(share):.1f}% of {what} start at RUN")
     trainer = Trainer(model, skipper, data, cfg)
     if resume:
         trainer.load_state(out / "state")
@@ -102,6 +108,18 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
         "train_sequences": len(data),
         "base_model": model_dir.name,
     }
+    if skipper.sublayers:  # final_train_skip_ratio is the share of skipped sublayer work
+        from vskipper.training.forward import sublayer_work
+
+        summary["sublayer_work"] = dict(zip(("attention", "mlp"), sublayer_work(model.config)))
+        for k in ("skip_attention", "skip_mlp"):
+            summary[f"final_train_{k}"] = sum(h[k] for h in last) / max(1, len(last))
+        write_skipgpt_checkpoint(out, model, skipper, vskipper_training={**cfg.to_dict(), **summary})
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, out / name)
+        log(f"wrote {out} (a SkipGPT checkpoint)")
+        return trainer
     write_skipper_dir(out / "skipper", skipper, model.config, vskipper_training={**cfg.to_dict(), **summary})
     if full_checkpoint:
         from vskipper.models.hf_loader import save_checkpoint
@@ -127,6 +145,9 @@ def export_state(out_dir, dest=None, model_dir=None) -> Path:
     out = Path(out_dir)
     meta = json.loads((out / "state" / STATE_JSON).read_text())
     cfg = TrainConfig.from_dict(meta["config"])
+    if cfg.family != "flexidepth":
+        raise ValueError(f"export_state: {str(out)!r} is a {cfg.family} run; only FlexiDepth runs export a skipper "
+                         f"directory (a skipgpt run writes its checkpoint when it ends)")
     model_config = AutoConfig.from_pretrained(str(Path(model_dir) if model_dir else smollm2_dir()))
     skipper = make_skipper(model_config, cfg)
     tensors = load_file(str(out / "state" / STATE_TENSORS))

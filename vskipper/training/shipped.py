@@ -10,6 +10,9 @@ the SGLang plugin.
     from vskipper.training.shipped import build_checkpoint
     path = build_checkpoint()            # SmolLM2-135M-Instruct + the shipped skipper
     model = vskipper.from_pretrained(path)
+
+`write_skipgpt_checkpoint` writes a trained SkipGPT skipper with its base model in SkipGPT's own layout
+(what vskipper/skippers/skipgpt.py `load_skipgpt` reads).
 """
 from __future__ import annotations
 
@@ -45,6 +48,33 @@ def write_skipper_dir(path, skipper, model_config, dtype: torch.dtype = torch.fl
     if skipper.expected_run_fraction is not None:
         cfg.setdefault("expected_run_fraction", skipper.expected_run_fraction)
     save_tensors({k: v.to(dtype) for k, v in skipper.flexidepth_state_dict().items()}, path / SKIPPER_FILE)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+    return path
+
+
+def write_skipgpt_checkpoint(path, model, skipper, **extra) -> Path:
+    """Write `model` (an untransformed transformers Llama) with a SkipGPT `skipper` as a checkpoint directory in
+    SkipGPT's layout: config.json (the model's, architectures ["SkipGPTLlamaForCausalLM"], "skipgpt":
+    {"layers": [...]}, and `extra`) and model.safetensors (decoder layer i under model.layers.{i}.block.*, its
+    routers under model.layers.{i}.router_attention.* / router_mlp.*, the rest under their own names; no
+    LoRA). vskipper.from_pretrained loads it."""
+    import re
+
+    from vskipper.skippers.skipgpt import ARCHITECTURE
+
+    if type(model).__name__ != "LlamaForCausalLM":
+        raise TypeError(f"write_skipgpt_checkpoint: SkipGPT checkpoints are Llama models, got {type(model).__name__}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {re.sub(r"^model\.layers\.(\d+)\.", r"model.layers.\1.block.", k): v
+             for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    state.update(skipper.skipgpt_state_dict())
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg.update(architectures=[ARCHITECTURE], skipgpt={"layers": list(skipper.layers)}, **extra)
+    save_tensors(state, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
     return path
 
