@@ -72,11 +72,11 @@ class Plan:
 
 
 def resolve_plan(config: Config, device: torch.device, hidden: int, intermediate: int, dtype: torch.dtype,
-                 expected_run_fraction: float | None = None) -> Plan:
-    """Config + this device (+ its cost calibration, for auto) -> the Plan. Warns once when auto
-    has no calibration (dense-masked then; not when there are sublayer tables, which a sublayer
-    skipper's layers read: make_sublayer_body warns for those) or no prefill table (prefill priced
-    by decode's)."""
+                 expected_run_fraction: float | None = None, sublayers: bool = False) -> Plan:
+    """Config + this device (+ its cost calibration, for auto) -> the Plan. `sublayers`: the skipper
+    decides attention and MLP apart, so auto reads the sublayer tables (make_sublayer_body warns where
+    there are none) instead of the whole-layer ones. Warns once when auto has no whole-layer
+    calibration (dense-masked then) or no prefill table (prefill priced by decode's)."""
     impl = ops.resolve_impl(config.impl, device)
     fixed = device.type == "cuda" if config.static_shapes is None else config.static_shapes
     shapes = (f"static_shapes={config.static_shapes}" if config.static_shapes is not None
@@ -86,15 +86,17 @@ def resolve_plan(config: Config, device: torch.device, hidden: int, intermediate
     if config.execution == "auto":
         dt = cost.dtype_name(dtype)
         found_for = (device, hidden, intermediate, dt)
-        sub_decode, sub_prefill = (cost.load(device, hidden, intermediate, dt, phase, exact=True, sublayers=True)
-                                   for phase in cost.PHASES)
-        decode = cost.load(device, hidden, intermediate, dt)
-        if decode is None and sub_decode is None:
-            cost.warn_uncalibrated(device, hidden, intermediate, dt)
-        elif decode is not None:
-            prefill = cost.load(device, hidden, intermediate, dt, phase="prefill")
-            if prefill is None:
-                cost.warn_no_prefill(device, hidden, intermediate, dt)
+        if sublayers:
+            sub_decode, sub_prefill = (cost.load(device, hidden, intermediate, dt, phase, exact=True, sublayers=True)
+                                       for phase in cost.PHASES)
+        else:
+            decode = cost.load(device, hidden, intermediate, dt)
+            if decode is None:
+                cost.warn_uncalibrated(device, hidden, intermediate, dt)
+            else:
+                prefill = cost.load(device, hidden, intermediate, dt, phase="prefill")
+                if prefill is None:
+                    cost.warn_no_prefill(device, hidden, intermediate, dt)
     return Plan(config.execution, impl, fixed, config.tuned_kernels, decode, prefill, expected_run_fraction, shapes,
                 sub_decode, sub_prefill, found_for)
 
