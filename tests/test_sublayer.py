@@ -1,10 +1,8 @@
 """Sublayer skippers (attention and MLP decided separately, SkipGPT-style) against the eager reference."""
 from __future__ import annotations
 
-import copy
 import json
 import math
-import re
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from helpers import (
     left_pad,
     prompts,
 )
-from tiny import record_routes, tiny_llama, tiny_qwen3, transformed
+from tiny import LORA_TARGETS, record_routes, skipgpt_checkpoint, tiny_llama, tiny_qwen3, transformed
 
 FAMILIES = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 BODIES = ("dense", "routed", "routed-mlp", "auto")
@@ -146,7 +144,8 @@ def test_stats_count_each_sublayer_as_the_reference_decides():
     for l in sk.layers:
         dec = torch.cat([reference_forward(base, sk, p)[1][l] for p in prompts((6, 13))])  # [19, 2]
         assert st[l] == dict(tokens=19, attention_run=int(dec[:, 0].sum()), attention_skip=int((~dec[:, 0]).sum()),
-                             mlp_run=int(dec[:, 1].sum()), mlp_skip=int((~dec[:, 1]).sum()), nonfinite=0), st[l]
+                             mlp_run=int(dec[:, 1].sum()), mlp_skip=int((~dec[:, 1]).sum()), run=int(dec.sum()),
+                             project=int((~dec).sum()), nonfinite=0), st[l]
     assert all(s["tokens"] == 0 for s in vskipper.stats(m).values())
 
 
@@ -236,23 +235,6 @@ def test_a_sublayer_skipper_with_an_adapter_is_refused():
         vskipper.transform(base, WithAdapter([1], base.config.hidden_size))
 
 
-def test_a_sublayer_skipper_on_sglang_is_refused_for_now(monkeypatch):
-    """Only the transformers families run sublayer skippers so far: another engine's model is refused
-    by name, before anything is rewritten."""
-    import dataclasses
-
-    from vskipper import api
-
-    family = api.family_for(tiny_llama())
-    monkeypatch.setattr(api, "family_for", lambda model: dataclasses.replace(family, name="sglang LlamaForCausalLM"))
-    base = tiny_llama()
-    with pytest.raises(ValueError, match=r"RandomSublayerSkip decides attention and MLP separately .* not on sglang "
-                                         r"LlamaForCausalLM \(docs/architecture.md, 'Sublayer skippers'\)"):
-        vskipper.transform(base, vskipper.RandomSublayerSkip(0.5, 0.5, [1]))
-    assert not hasattr(base, "vskipper")
-    vskipper.transform(base, vskipper.RandomSkip(0.5, [1]))  # a whole-layer skipper goes through
-
-
 def test_inputs_embeds_with_random_sublayers_is_refused():
     m = transformed(tiny_llama(), vskipper.RandomSublayerSkip(0.5, 0.5, [1]), "dense")
     with pytest.raises(ValueError, match="RandomSkip needs token ids and positions"):
@@ -260,48 +242,7 @@ def test_inputs_embeds_with_random_sublayers_is_refused():
 
 
 # --- SkipGPT checkpoints ------------------------------------------------------------------------
-LORA_TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj")  # SkipGPT's post_training stage
-
-
-def _skipgpt_checkpoint(path, base, layers=None, lora=(4, 8.0), peft=True, seed=3):
-    """A tiny checkpoint in SkipGPT's layout, written as its code names the tensors: the base layers under
-    `.block.`, random routers, and (lora=(r, alpha)) LoRA on LORA_TARGETS in PEFT's naming. Returns (the
-    base model with the LoRA merged by hand, the skipper)."""
-    from vskipper.models.checkpoint import save_tensors
-    from vskipper.skippers.skipgpt import SkipGPT
-
-    torch.manual_seed(seed)
-    c = base.config
-    sk = SkipGPT(list(range(c.num_hidden_layers)) if layers is None else layers, c.hidden_size)
-    with torch.no_grad():
-        for p in sk.parameters():
-            p.normal_(0, 0.5)
-    merged = copy.deepcopy(base)
-    tensors = {}
-    for key, w in base.state_dict().items():
-        m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", key)
-        if m is None:
-            tensors[key] = w
-            continue
-        name = f"model.layers.{m.group(1)}.block.{m.group(2)}"
-        if lora is None or m.group(2) not in LORA_TARGETS:
-            tensors[name + ".weight"] = w
-            continue
-        r, alpha = lora
-        a, b = torch.randn(r, w.shape[1]) * 0.3, torch.randn(w.shape[0], r) * 0.3
-        tensors.update({name + ".base_layer.weight": w, name + ".lora_A.default.weight": a,
-                        name + ".lora_B.default.weight": b})
-        merged.get_parameter(key).data += alpha / r * b @ a
-    tensors.update(sk.skipgpt_state_dict())
-    if peft:
-        tensors = {"base_model.model." + k: v for k, v in tensors.items()}
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = dict(c.to_dict(), architectures=["SkipGPTLlamaForCausalLM"])
-    cfg["skipgpt"] = ({} if layers is None else {"layers": layers}) | ({} if lora is None else
-                                                                       {"lora": {"r": lora[0], "lora_alpha": lora[1]}})
-    (path / "config.json").write_text(json.dumps(cfg, default=str))
-    save_tensors(tensors, path / "model.safetensors")
-    return merged, sk
+_skipgpt_checkpoint = skipgpt_checkpoint
 
 
 @pytest.mark.parametrize("body", ["dense", "routed"])
@@ -414,3 +355,19 @@ def test_pickled_skipgpt_weights_are_refused(tmp_path):
     (d / "model.safetensors").rename(d / "model.pth")
     with pytest.raises(ValueError, match=r"holds only pickled weights \['model.pth'\]; vskipper loads safetensors"):
         vskipper.from_pretrained(d)
+
+
+def test_request_cap_forces_both_sublayers_and_counts_sublayer_decisions():
+    """A budget counts layers: at a layer past a row's budget both its sublayers RUN; the per-budget
+    counts are sublayer decisions (two per row), forced rows once each, padding never."""
+    from vskipper.control import RequestCap
+
+    run = torch.tensor([[False, False], [True, False], [False, True], [False, False], [False, False]])
+    valid = torch.tensor([True, True, True, True, False])
+    budget = torch.tensor([4, 0, 2, 1, 0], dtype=torch.int32)  # default, no_skip, capped, capped, padding
+    cap = RequestCap(1, 4, sublayers=True)  # the second-shallowest of 4 routed layers
+    g, run2, bad = cap((run, run, None), valid, budget)
+    assert run2.tolist() == [[False, False], [True, True], [False, True], [True, True], [True, True]]
+    assert g.tolist() == run2.tolist() and bad is None
+    c = cap.counts.tolist()  # per budget: tokens, run, project, forced
+    assert c[0] == [1, 2, 0, 1] and c[1] == [1, 2, 0, 1] and c[2] == [1, 1, 1, 0] and c[4] == [0, 0, 0, 0], c

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import torch
 
@@ -88,3 +90,48 @@ def record_routes(model):
         calls[l] = []
         sk.router(l).register_forward_hook(lambda m, a, out, l=l: calls[l].append(out.detach().clone()))
     return calls
+
+
+# A SkipGPT checkpoint (vskipper/skippers/skipgpt.py), as SkipGPT's code names the tensors.
+LORA_TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj")  # SkipGPT's post_training stage
+
+
+def skipgpt_checkpoint(path, base, layers=None, lora=(4, 8.0), peft=True, seed=3):
+    """A tiny checkpoint in SkipGPT's layout, written as its code names the tensors: the base layers under
+    `.block.`, random routers, and (lora=(r, alpha)) LoRA on LORA_TARGETS in PEFT's naming. Returns (the
+    base model with the LoRA merged by hand, the skipper)."""
+    from vskipper.models.checkpoint import save_tensors
+    from vskipper.skippers.skipgpt import SkipGPT
+
+    torch.manual_seed(seed)
+    c = base.config
+    sk = SkipGPT(list(range(c.num_hidden_layers)) if layers is None else layers, c.hidden_size)
+    with torch.no_grad():
+        for p in sk.parameters():
+            p.normal_(0, 0.5)
+    merged = copy.deepcopy(base)
+    tensors = {}
+    for key, w in base.state_dict().items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", key)
+        if m is None:
+            tensors[key] = w
+            continue
+        name = f"model.layers.{m.group(1)}.block.{m.group(2)}"
+        if lora is None or m.group(2) not in LORA_TARGETS:
+            tensors[name + ".weight"] = w
+            continue
+        r, alpha = lora
+        a, b = torch.randn(r, w.shape[1]) * 0.3, torch.randn(w.shape[0], r) * 0.3
+        tensors.update({name + ".base_layer.weight": w, name + ".lora_A.default.weight": a,
+                        name + ".lora_B.default.weight": b})
+        merged.get_parameter(key).data += alpha / r * b @ a
+    tensors.update(sk.skipgpt_state_dict())
+    if peft:
+        tensors = {"base_model.model." + k: v for k, v in tensors.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(c.to_dict(), architectures=["SkipGPTLlamaForCausalLM"])
+    cfg["skipgpt"] = ({} if layers is None else {"layers": layers}) | ({} if lora is None else
+                                                                       {"lora": {"r": lora[0], "lora_alpha": lora[1]}})
+    (path / "config.json").write_text(json.dumps(cfg, default=str))
+    save_tensors(tensors, path / "model.safetensors")
+    return merged, sk

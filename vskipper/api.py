@@ -27,7 +27,8 @@ class VSkipperState(nn.Module):
         self.skipper = skipper
         self.counters = nn.ModuleDict({str(l): route_counter(bool(skipper.sublayers)) for l in skipper.layers})
         n = len(skipper.layers)
-        self.caps = nn.ModuleDict({str(l): RequestCap(r, n) for r, l in enumerate(skipper.layers)})
+        self.caps = nn.ModuleDict({str(l): RequestCap(r, n, bool(skipper.sublayers))
+                                   for r, l in enumerate(skipper.layers)})
         self.config = config
         self.plan = plan
         self.family = family.name
@@ -89,10 +90,6 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None, 
     if not isinstance(skipper, Skipper):
         raise TypeError(f"vskipper.transform: skipper must be a vskipper.Skipper, got {type(skipper).__name__}")
     family = family_for(model)  # TypeError naming the supported classes
-    if skipper.sublayers and not family.name.startswith("transformers "):
-        raise ValueError(f"vskipper.transform: {type(skipper).__name__} decides attention and MLP separately (a "
-                         f"sublayer skipper), which runs on transformers models so far, not on {family.name} "
-                         f"(docs/architecture.md, 'Sublayer skippers')")
     if hasattr(model, "vskipper") and isinstance(getattr(model, "vskipper"), VSkipperState):
         raise ValueError("vskipper.transform: this model is already transformed; transform a fresh model")
     layers = family.layers(model)
@@ -102,7 +99,7 @@ def transform(model: nn.Module, skipper: Skipper, config: Config | None = None, 
     stacks = family.make_stacks(model, skipper.layers)
     skipper.to(device=device, dtype=skipper.router_dtype or dtype)
     plan = resolve_plan(config, device, hidden, getattr(model.config, "intermediate_size", hidden), dtype,
-                        skipper.expected_run_fraction)
+                        skipper.expected_run_fraction, sublayers=bool(skipper.sublayers))
     state = VSkipperState(skipper, config, family, device, plan).to(device)
 
     def make_routed(i: int, layer: nn.Module) -> RoutedLayer:
@@ -152,7 +149,10 @@ def chosen_bodies(model: nn.Module, reset: bool = False) -> dict[str, int]:
 def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> dict:
     """Route counts per routed layer since the last reset:
     {layer: {"tokens": n, "run": n, "project": n, "nonfinite": n}} (padding rows not counted;
-    "nonfinite" counts tokens whose router gave NaN/Inf, which ran the layer).
+    "nonfinite" counts tokens whose router gave NaN/Inf, which ran the layer). A sublayer skipper's
+    layers count "tokens", "attention_run", "attention_skip", "mlp_run", "mlp_skip", "nonfinite", and
+    "run" / "project" in sublayer decisions (two per token): project / (run + project) is the skipped
+    share for either kind.
 
     by_setting=True: the same rows split by what their request chose (vskipper/control.py), where the
     engine passes per-request settings (SGLang): {setting: {layer: {"tokens", "run", "project",

@@ -53,7 +53,7 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
     import torch
 
     from vskipper.integrations.sglang.settings import Settings
-    from vskipper.models.checkpoint import DD_ARCHITECTURES, CheckpointError, read_config
+    from vskipper.models.checkpoint import SKIPPER_ARCHITECTURES, CheckpointError, read_config
 
     env = dict(os.environ)
     if args.skipper == "none":  # the plain model, whatever the default or the environment says
@@ -97,12 +97,12 @@ def serve_command(args: argparse.Namespace, sglang_args: list[str]) -> list[str]
             arch = (read_config(model_path).get("architectures") or [None])[0]
         except CheckpointError as e:
             _fail(str(e))
-        if arch in DD_ARCHITECTURES and settings.skipper_spec:
+        if arch in SKIPPER_ARCHITECTURES and settings.skipper_spec:
             _fail(f"{model_path} is a skip-aware checkpoint ({arch}) with its own skipper; drop --skipper")
-        if arch in DD_ARCHITECTURES and args.skipper == "none":
+        if arch in SKIPPER_ARCHITECTURES and args.skipper == "none":
             _fail(f"{model_path} is a skip-aware checkpoint ({arch}): its skipper is part of it, --skipper none "
                   f"cannot remove it; serve its base model for the plain model")
-    if settings.tpot_ms is not None and arch not in DD_ARCHITECTURES and not settings.skipper_spec:
+    if settings.tpot_ms is not None and arch not in SKIPPER_ARCHITECTURES and not settings.skipper_spec:
         _fail("--tpot-ms sets a latency target for elastic depth, which needs a skipper; this server has none "
               "(give --skipper, or drop --tpot-ms)")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]

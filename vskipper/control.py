@@ -12,7 +12,11 @@ cap tightens, the deepest routed layers are forced first). So every token skips 
 routed layers, k / L <= max_skip, whatever the router says. `skip: false` is budget 0.
 
 A forced row RUNs the layer as the base model does: g = 1 (so the soft gate does not scale its MLP),
-the meaning non-finite router output already has. `RequestCap` applies the budgets of a batch's rows
+the meaning non-finite router output already has. A sublayer skipper (attention and MLP decided apart,
+vskipper/skippers/base.py) has the same budget in layers: at the L - k layers it is forced at, a row
+RUNs both sublayers, so it skips at most 2k of its 2L routed sublayers, a share k / L <= max_skip of
+them; within its k layers it skips whichever sublayers the router says. Its counts ("run", "project")
+are sublayer decisions, two per token (vskipper.stats). `RequestCap` applies the budgets of a batch's rows
 to one routed layer's decisions, before route maps, counters and bodies see them (so every body
 agrees), on the device, without a host sync; it also counts rows per setting for `vskipper.stats`.
 Shapes: T = rows of the batch."""
@@ -77,24 +81,32 @@ class RequestCap(nn.Module):
     which no request has a budget, so the "default" rows (budget n_layers) are what the layer's
     RouteCounter counted less these (vskipper.stats)."""
 
-    def __init__(self, rank: int, n_layers: int) -> None:
+    def __init__(self, rank: int, n_layers: int, sublayers: bool = False) -> None:
         super().__init__()
-        self.rank, self.n_layers = rank, n_layers
+        self.rank, self.n_layers, self.sublayers = rank, n_layers, sublayers
         self.register_buffer("counts", torch.zeros(n_layers + 1, len(COUNTS), dtype=torch.int64), persistent=False)
 
     def forward(self, decisions, valid: torch.Tensor, budget: torch.Tensor | None):
-        # decisions = sanitize_gate(...): (g [T], run [T] bool, nonfinite [T] bool); budget [T] int or None
+        # decisions = sanitize_gate(...): (g [T], run [T] bool, nonfinite [T] bool or None), a sublayer
+        # skipper's g and run [T, 2]; budget [T] int or None
         if budget is None:
             return decisions
         g, run, nonfinite = decisions
-        budget = budget.reshape(run.shape)
+        budget = budget.reshape(valid.shape)
         forced = budget <= self.rank  # [T]
+        k = budget.clamp(0, self.n_layers).long()  # [T]: index into counts
+        default = (k < self.n_layers).reshape(-1, 1)  # "default" rows are counted by the route counter
+        if self.sublayers:  # both sublayers forced; run and project count sublayer decisions
+            run = run | forced.unsqueeze(-1)
+            g = torch.where(forced.unsqueeze(-1), torch.ones_like(g), g)
+            v = valid.unsqueeze(-1)
+            rows = torch.stack([valid.long(), (run & v).sum(-1), (v & ~run).sum(-1), (forced & valid).long()], -1)
+            self.counts.index_add_(0, k.reshape(-1), rows.reshape(-1, len(COUNTS)) * default)
+            return g, run, nonfinite
         g = torch.where(forced, torch.ones_like(g), g)
         run = run | forced
-        k = budget.clamp(0, self.n_layers).long()  # [T]: index into counts
         rows = torch.stack([valid, run & valid, valid & ~run, forced & valid], 1).reshape(-1, len(COUNTS))
-        rows = rows & (k < self.n_layers).reshape(-1, 1)  # "default" rows: counted by the RouteCounter
-        self.counts.index_add_(0, k.reshape(-1), rows.long())
+        self.counts.index_add_(0, k.reshape(-1), (rows & default).long())
         return g, run, nonfinite
 
     def setting_counts(self) -> list[list[int]]:
@@ -104,4 +116,4 @@ class RequestCap(nn.Module):
         return [[0] * len(COUNTS), capped, c[0]]
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, n_layers={self.n_layers}"
+        return f"rank={self.rank}, n_layers={self.n_layers}" + (", sublayers=True" if self.sublayers else "")

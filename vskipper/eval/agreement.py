@@ -43,8 +43,8 @@ def _skip_counts(model) -> tuple[int, int]:
         return 0, 0
     import vskipper
 
-    st = vskipper.stats(model, reset=True)
-    return sum(s["project"] for s in st.values()), sum(s["tokens"] for s in st.values())
+    st = vskipper.stats(model, reset=True)  # a sublayer skipper's counts are sublayer decisions, two per token
+    return sum(s["project"] for s in st.values()), sum(s["run"] + s["project"] for s in st.values())
 
 
 @torch.no_grad()
@@ -84,8 +84,8 @@ def teacher_forced(base: nn.Module, model: nn.Module, seqs: list[list[int]], n_p
 
 
 def is_checkpoint(path) -> bool:
-    """A skip-aware checkpoint directory (config.json naming a DD architecture)."""
-    from vskipper.models.checkpoint import DD_ARCHITECTURES
+    """A skip-aware checkpoint directory (config.json naming an architecture with its own skipper)."""
+    from vskipper.models.checkpoint import SKIPPER_ARCHITECTURES
 
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
@@ -94,7 +94,7 @@ def is_checkpoint(path) -> bool:
         arch = (json.loads(cfg.read_text()).get("architectures") or [None])[0]
     except (ValueError, AttributeError):
         return False
-    return arch in DD_ARCHITECTURES
+    return arch in SKIPPER_ARCHITECTURES
 
 
 def check_teacher_forced(what: str):

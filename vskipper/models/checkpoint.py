@@ -12,6 +12,8 @@ import torch
 
 # architectures[0] of a skip-aware checkpoint -> (family name, default gate)
 DD_ARCHITECTURES = {"DDLlamaForCausalLM": ("llama", "soft"), "DDQwen3ForCausalLM": ("qwen3", "hard")}
+# checkpoints that carry their own skipper: FlexiDepth's layout, and SkipGPT's (vskipper/skippers/skipgpt.py)
+SKIPPER_ARCHITECTURES = (*DD_ARCHITECTURES, "SkipGPTLlamaForCausalLM")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 

@@ -71,9 +71,6 @@ class RoutePass(Pass):
                 decide = dec = g.call_function(sanitize_gate, (raw, thr))
                 cap = None
                 if self.caps is not None and "budget" in ph:
-                    if self.skipper.sublayers:
-                        raise PassError(self.name, node.target, "per-request caps do not take a sublayer "
-                                                                "skipper's decisions yet")
                     gm.add_submodule(f"caps.{i}", self.caps[str(i)])
                     cap = dec = g.call_module(f"caps.{i}", (dec, ph["valid"], ph["budget"]))
                 gate = g.call_function(operator.getitem, (dec, 0))

@@ -98,7 +98,7 @@ class SkipGPT(Skipper):
         return f"layers={list(self.layers)}, hidden_size={self.hidden_size}"
 
 
-def _fields(cfg: dict, where: str) -> tuple[list[int] | None, dict | None]:
+def fields(cfg: dict, where: str) -> tuple[list[int] | None, dict | None]:
     """config.json's "skipgpt" object -> (routed layers or None: every layer, lora {r, lora_alpha} or None)."""
     from vskipper.models.checkpoint import CheckpointError
 
@@ -147,15 +147,13 @@ def _merge_lora(base: dict[str, torch.Tensor], lora: dict[str, dict[str, torch.T
         base[module + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
 
 
-def split_tensors(tensors: dict[str, torch.Tensor], cfg: dict, where: str):
-    """A SkipGPT checkpoint's tensors (see the module docstring) -> (the base model's tensors under
-    transformers' Llama names, LoRA merged; the routers' tensors per layer {l: {name: tensor}}; the
-    routed layers skipgpt.layers names, or None: every layer)."""
-    layers, lora_cfg = _fields(cfg, where)
-    base: dict[str, torch.Tensor] = {}
+def base_tensors(items, lora_cfg: dict | None, where: str, routers: dict):
+    """Stream a SkipGPT checkpoint's (name, tensor) pairs (see the module docstring) as the base model's,
+    under transformers' (and SGLang's) Llama names, LoRA merged; the routers' tensors go into `routers`
+    ({l: {name: tensor}}). Only the LoRA targets' weights are held until the end, where they are merged."""
+    held: dict[str, torch.Tensor] = {}
     lora: dict[str, dict[str, torch.Tensor]] = {}
-    routers: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+    for key, t in items:
         k = key.removeprefix(PEFT_PREFIX)
         m = _LAYER.match(k)
         if m and m.group(2) != "block":
@@ -166,9 +164,21 @@ def split_tensors(tensors: dict[str, torch.Tensor], cfg: dict, where: str):
         lo = re.match(r"^(.+)\.(lora_A|lora_B)\.default\.weight$", k)
         if lo:
             lora.setdefault(lo.group(1), {})[lo.group(2)] = t
+        elif ".base_layer." in k:
+            held[k.replace(".base_layer.", ".")] = t
         else:
-            base[k.replace(".base_layer.", ".")] = t
-    _merge_lora(base, lora, lora_cfg, where)
+            yield k, t
+    _merge_lora(held, lora, lora_cfg, where)
+    yield from held.items()
+
+
+def split_tensors(tensors: dict[str, torch.Tensor], cfg: dict, where: str):
+    """A SkipGPT checkpoint's tensors -> (the base model's tensors, LoRA merged (base_tensors); the
+    routers' tensors per layer {l: {name: tensor}}; the routed layers skipgpt.layers names, or None:
+    every layer)."""
+    layers, lora_cfg = fields(cfg, where)
+    routers: dict[int, dict[str, torch.Tensor]] = {}
+    base = dict(base_tensors(tensors.items(), lora_cfg, where, routers))
     return base, routers, layers
 
 

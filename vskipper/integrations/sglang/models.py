@@ -1,8 +1,10 @@
-"""SGLang model classes for skip-aware checkpoints: `DDLlamaForCausalLM`, `DDQwen3ForCausalLM`.
+"""SGLang model classes for skip-aware checkpoints: `DDLlamaForCausalLM`, `DDQwen3ForCausalLM` and
+`SkipGPTLlamaForCausalLM`.
 
-They are SGLang's own Llama / Qwen3 (SGLang's loader, attention and MLP parts) plus a FlexiDepth
-skipper read from the same checkpoint (the FlexiDepth key layout). The load-time hook then
-transforms them with `vskipper.transform`."""
+They are SGLang's own Llama / Qwen3 (SGLang's loader, attention and MLP parts) plus the skipper read
+from the same checkpoint: FlexiDepth's key layout, or SkipGPT's (vskipper/skippers/skipgpt.py: its
+base layers under `.block.`, its routers, its LoRA merged as the weights stream in). The load-time
+hook then transforms them with `vskipper.transform`."""
 from __future__ import annotations
 
 from transformers import LlamaConfig, Qwen3Config
@@ -43,6 +45,24 @@ class _SkipAware:
         return out
 
 
+class _SkipGPTAware:
+    """Mixin: reads a SkipGPT checkpoint's base weights through SGLang's own loader (renamed to its
+    Llama names, LoRA merged: skipgpt.base_tensors) and builds the SkipGPT skipper from its routers,
+    kept beside the model until the hook transforms it."""
+
+    def load_weights(self, weights):
+        from vskipper.skippers.skipgpt import base_tensors, fields, make_skipgpt
+
+        where = f"{type(self).__name__} checkpoint"
+        cfg = self.config.to_dict()
+        layers, lora = fields(cfg, where)
+        routers: dict = {}
+        out = super().load_weights(base_tensors(weights, lora, where, routers))
+        object.__setattr__(self, "_vskipper_pending", make_skipgpt(routers, layers, self.config.num_hidden_layers,
+                                                                   self.config.hidden_size, where))
+        return out
+
+
 def model_classes():
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
@@ -57,9 +77,13 @@ def model_classes():
             super().__init__(config, quant_config=quant_config, prefix=prefix)
             self._init_skipper(config)
 
-    for cls in (DDLlamaForCausalLM, DDQwen3ForCausalLM):
+    class SkipGPTLlamaForCausalLM(_SkipGPTAware, LlamaForCausalLM):
+        pass
+
+    classes = [DDLlamaForCausalLM, DDQwen3ForCausalLM, SkipGPTLlamaForCausalLM]
+    for cls in classes:
         cls.__module__ = __name__
-    return [DDLlamaForCausalLM, DDQwen3ForCausalLM]
+    return classes
 
 
 class DDLlamaConfig(LlamaConfig):

@@ -76,10 +76,17 @@ def transform_loaded(runner) -> None:
 
 
 def format_stats(st: dict[int, dict[str, int]]) -> str:
+    """The skipped share of routed-layer work, in all and per layer; for a sublayer skipper (counts in
+    sublayer decisions, two per token) the share of routed sublayers, and attention's and the MLP's apart."""
     tokens = sum(s["tokens"] for s in st.values())
     skipped = sum(s["project"] for s in st.values())
-    per_layer = " ".join(f"{l}:{s['project'] / max(1, s['tokens']):.2f}" for l, s in st.items())
-    return f"skip ratio {skipped / max(1, tokens):.3f} over {tokens} routed-layer tokens; per layer {per_layer}"
+    decisions = sum(s["run"] + s["project"] for s in st.values())
+    per_layer = " ".join(f"{l}:{s['project'] / max(1, s['run'] + s['project']):.2f}" for l, s in st.items())
+    if any("mlp_skip" in s for s in st.values()):
+        attn, mlp = (sum(s[k] for s in st.values()) / max(1, tokens) for k in ("attention_skip", "mlp_skip"))
+        return (f"skip ratio {skipped / max(1, decisions):.3f} of routed sublayers (attention {attn:.3f}, MLP "
+                f"{mlp:.3f}) over {tokens} routed-layer tokens; per layer {per_layer}")
+    return f"skip ratio {skipped / max(1, decisions):.3f} over {tokens} routed-layer tokens; per layer {per_layer}"
 
 
 def setting_totals(by: dict[str, dict[int, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -101,8 +108,9 @@ def level_tokens(by: dict[str, dict[int, dict[str, int]]]) -> list[int]:
 
 def format_settings(by: dict[str, dict[int, dict[str, int]]]) -> str:
     """Skip ratio and rows forced to RUN per request setting (vskipper/control.py), settings seen only."""
-    parts = [f"{s} {t['project'] / t['tokens']:.3f} over {t['tokens']} (forced to run {t['forced']})"
-             for s, t in setting_totals(by).items() if t["tokens"] and not s.startswith("level ")]
+    parts = [f"{s} {t['project'] / max(1, t['run'] + t['project']):.3f} over {t['tokens']} "
+             f"(forced to run {t['forced']})" for s, t in setting_totals(by).items()
+             if t["tokens"] and not s.startswith("level ")]
     return "by request setting: " + (", ".join(parts) if parts else "none")
 
 
@@ -244,8 +252,9 @@ def install_route_digest(model, directory: str, rank: int) -> None:
     calls: dict[int, int] = {}
 
     def hook(module, args, layer):
-        run, valid = args[0], args[1]
-        bits = (run & valid).reshape(-1).to(torch.uint8).cpu().numpy().tobytes()
+        run, valid = args[0], args[1]  # run [T] (a sublayer skipper's [T, 2]), valid [T]
+        bits = (run & valid.reshape(valid.shape + (1,) * (run.dim() - valid.dim()))).reshape(-1)
+        bits = bits.to(torch.uint8).cpu().numpy().tobytes()
         calls[layer] = calls.get(layer, 0) + 1
         with out.open("a") as f:
             f.write(f"{layer} {calls[layer]} {hashlib.sha1(bits).hexdigest()[:16]}\n")
