@@ -6,9 +6,13 @@ served endpoint).
 
     python -m benchmarks.quality_curve --skipper flexidepth:name=smollm2-135m-flexidepth
     python -m benchmarks.quality_curve --skipper flexidepth:path=DIR --thresholds 0.3 0.5 0.7 --quick
+    python -m benchmarks.quality_curve --sublayer-skipper /tmp/skipgpt-run      # a SkipGPT checkpoint beside it
 
 Per point (a skipper at a setting):
-    skip      PROJECT share of routed-layer token work on the held-out sequences (vskipper.stats)
+    skip      PROJECT share of routed-layer token work on the held-out sequences (vskipper.stats); for a
+              sublayer skipper (SkipGPT) the skipped share of routed-layer work, attention and MLP weighted
+              by their linear-layer FLOPs (vskipper.training.sublayer_work: SmolLM2-135M 0.25 and 0.75),
+              with each sublayer's skipped share of tokens beside it
     top-1, KL teacher-forced over the base's greedy answers to the held-out chat prompts
               (vskipper.eval.agreement.teacher_forced), mean over prompts with its standard error
     prefix    greedy agreement on the hand-written everyday prompts: tokens of the base's answer
@@ -21,6 +25,8 @@ Per point (a skipper at a setting):
 Baselines at each trained point's measured skip: RandomSkip(rate=skip) over the routed layers, and
 a static drop of round(skip x L) of the L routed layers with the lowest block influence
 (ShortGPT: 1 - mean cos(layer input, layer output) of the base model over the training prompts).
+A SkipGPT checkpoint (--sublayer-skipper, e.g. `vskipper train --family skipgpt`'s output) is one point
+at its own routers' decisions, with RandomSublayerSkip at its measured attention and MLP shares.
 Writes results.json and docs/results/quality-curve.md (benchmarks/results.py), and a figure.
 """
 from __future__ import annotations
@@ -82,6 +88,35 @@ def mc_accuracy(model, tok, items: list[dict]) -> list[float]:
     return out
 
 
+class SublayerCounts:
+    """A transformed model with a sublayer skipper, as teacher_forced calls it, adding up its attention and
+    MLP skips per call (vskipper.stats) so that the skip is weighted by each sublayer's work."""
+
+    def __init__(self, model) -> None:
+        import vskipper
+
+        self.model, self.stats = model, vskipper.stats
+        self.tokens = self.attention = self.mlp = 0
+        self.stats(model, reset=True)
+
+    def __call__(self, ids):
+        out = self.model(ids)
+        for s in self.stats(self.model, reset=True).values():
+            self.tokens, self.attention, self.mlp = (self.tokens + s["tokens"], self.attention + s["attention_skip"],
+                                                     self.mlp + s["mlp_skip"])
+        return out
+
+    def shares(self) -> tuple[float, float, float] | tuple[None, None, None]:
+        """(skipped work, attention's skipped share of tokens, the MLP's)."""
+        from vskipper.training import sublayer_work
+
+        if not self.tokens:
+            return None, None, None
+        a, m = self.attention / self.tokens, self.mlp / self.tokens
+        wa, wm = sublayer_work(self.model.config)
+        return wa * a + wm * m, a, m
+
+
 def evaluate(name: str, model, base_data: dict, tok, args, share: float = 1.0) -> dict:
     """share: the model's routed layers over the curve's (a static drop routes only what it drops), so
     that every skip fraction is of the same routed-layer work."""
@@ -90,7 +125,9 @@ def evaluate(name: str, model, base_data: dict, tok, args, share: float = 1.0) -
     from vskipper.training.data import chat_ids
 
     t0 = time.perf_counter()
-    tf = teacher_forced(base_data["base"], model, base_data["seqs"], base_data["n_prompt"])
+    skipper = getattr(getattr(model, "vskipper", None), "skipper", None)
+    counted = SublayerCounts(model) if skipper is not None and skipper.sublayers else None
+    tf = teacher_forced(base_data["base"], counted or model, base_data["seqs"], base_data["n_prompt"])
     ans = greedy_answers(model, tok, base_data["everyday"], args.max_new_tokens)
     ag = agreement(ans, base_data["everyday_base"])
     qs = base_data["arith"]
@@ -100,14 +137,34 @@ def evaluate(name: str, model, base_data: dict, tok, args, share: float = 1.0) -
     facts = mc_accuracy(model, tok, base_data["facts"])
     (am, ase), (fm, fse) = mean_stderr(arith), mean_stderr(facts)
     skip = None if tf["skip"] is None else tf["skip"] * share
-    row = {"name": name, "skip": skip, "top1": tf["top1_mean"], "top1_se": tf["top1_stderr"],
+    skip_a = skip_m = None
+    if counted is not None:
+        skip, skip_a, skip_m = counted.shares()
+    row = {"name": name, "skip": skip, "skip_attention": skip_a, "skip_mlp": skip_m, "top1": tf["top1_mean"], "top1_se": tf["top1_stderr"],
            "kl": tf["kl_mean"], "kl_se": tf["kl_stderr"], "prefix": ag["prefix_mean"],
            "prefix_se": ag["prefix_mean_stderr"], "prefix_median": ag["prefix_median"],
            "identical": ag["identical"], "arith": am, "arith_se": ase, "facts": fm, "facts_se": fse,
            "seconds": time.perf_counter() - t0}
-    res.log(f"{name}: skip {_pct(row['skip'])}, top-1 {_pct(row['top1'])}, KL {row['kl']:.3f}, prefix "
+    sub = "" if skip_a is None else f" (attention {_pct(skip_a)}, MLP {_pct(skip_m)})"
+    res.log(f"{name}: skip {_pct(row['skip'])}{sub}, top-1 {_pct(row['top1'])}, KL {row['kl']:.3f}, prefix "
             f"{row['prefix']:.1f}, arithmetic {_pct(am)}, facts {_pct(fm)} ({row['seconds']:.0f} s)")
     return row
+
+
+def sublayer_checkpoint(path):
+    """A SkipGPT checkpoint directory -> (its base model, its SkipGPT skipper); SystemExit naming the flag."""
+    from pathlib import Path
+
+    from vskipper.models.checkpoint import CheckpointError, read_config
+    from vskipper.skippers.skipgpt import ARCHITECTURE, load_skipgpt
+
+    try:
+        arch = (read_config(Path(path)).get("architectures") or [None])[0]
+        if arch != ARCHITECTURE:
+            raise CheckpointError(f"config.json architectures[0]={arch!r}, expected {ARCHITECTURE!r}")
+        return load_skipgpt(path)
+    except (CheckpointError, OSError) as e:
+        raise SystemExit(f"--sublayer-skipper {path}: not a SkipGPT checkpoint directory: {e}") from None
 
 
 def _pct(v) -> str:
@@ -138,8 +195,11 @@ def figure(rows: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for kind, marker in (("trained", "o"), ("random", "s"), ("static", "^")):
+    for kind, marker in (("trained", "o"), ("random", "s"), ("static", "^"), ("skipgpt", "D"),
+                         ("random-sublayer", "v")):
         pts = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["skip"])
+        if not pts:
+            continue
         for ax, key, label in zip(axes, ("top1", "prefix", "facts"),
                                   ("teacher-forced top-1 agreement", "greedy agreeing prefix (tokens)",
                                    "facts accuracy")):
@@ -160,6 +220,10 @@ def main(argv=None) -> None:
     ap.add_argument("--skipper", default="flexidepth:name=smollm2-135m-flexidepth",
                     help="the trained skipper (a flexidepth spec); its routed layers are the baselines' too")
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.85])
+    ap.add_argument("--sublayer-skipper", metavar="DIR", action="append", default=[],
+                    help="a SkipGPT checkpoint directory (config.json architectures [\"SkipGPTLlamaForCausalLM\"], "
+                         "e.g. from `vskipper train --family skipgpt`): one point at its routers' decisions, and "
+                         "RandomSublayerSkip at its attention and MLP shares; repeatable")
     ap.add_argument("--compare", metavar="SPEC", help="another skipper (e.g. the one shipped now), one row at its "
                                                      "own settings: to choose which to ship")
     ap.add_argument("--limit", type=int, help="at most this many prompts per held-out set")
@@ -180,10 +244,12 @@ def main(argv=None) -> None:
 
     import vskipper
     from vskipper.models.smollm2 import smollm2_dir
+    from vskipper.training import sublayer_work
 
     trained = vskipper.parse_skipper(args.skipper)
     if not isinstance(trained, vskipper.FlexiDepth):
         raise SystemExit(f"--skipper {args.skipper!r}: expected a flexidepth spec (a trained router has a threshold)")
+    sublayer = [sublayer_checkpoint(d) for d in args.sublayer_skipper]  # refused before anything slow
     layers = list(trained.layers)
     path = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -211,12 +277,22 @@ def main(argv=None) -> None:
             rows.append({**evaluate(f"static drop {drop}", transformed(vskipper.Static(drop)), data, tok, args,
                                     share=len(drop) / len(layers)),
                          "kind": "static", "setting": f"layers {drop}"})
+    for d, (model, sk) in zip(args.sublayer_skipper, sublayer):
+        row = {**evaluate(f"SkipGPT {d}", vskipper.transform(model, sk, vskipper.Config(execution="dense")), data,
+                          tok, args), "kind": "skipgpt", "setting": f"layers {sk.layers[0]}-{sk.layers[-1]}"}
+        rows.append(row)
+        a, m = row["skip_attention"] or 0.0, row["skip_mlp"] or 0.0
+        rows.append({**evaluate(f"RandomSublayerSkip {a:.3f}, {m:.3f}",
+                                transformed(vskipper.RandomSublayerSkip(a, m, list(sk.layers), seed=0)), data, tok,
+                                args), "kind": "random-sublayer", "setting": f"attn_rate {a:.3f}, mlp_rate {m:.3f}"})
     if args.compare:
         rows.append({**evaluate(f"compared: {args.compare}", transformed(vskipper.parse_skipper(args.compare)), data,
                                 tok, args), "kind": "compared", "setting": args.compare})
-    header = ["system", "setting", "skip", "top-1 (tf)", "KL (tf)", "agreeing prefix", "median", "identical",
+    header = ["system", "setting", "skip", "attention / MLP skipped", "top-1 (tf)", "KL (tf)", "agreeing prefix", "median", "identical",
               "arithmetic", "facts"]
-    body = [[r["kind"], r["setting"], _pct(r["skip"]), f"{_pct(r['top1'])} +- {100 * r['top1_se']:.1f}",
+    body = [[r["kind"], r["setting"], _pct(r["skip"]),
+             "-" if r.get("skip_attention") is None else f"{_pct(r['skip_attention'])} / {_pct(r['skip_mlp'])}",
+             f"{_pct(r['top1'])} +- {100 * r['top1_se']:.1f}",
              f"{r['kl']:.3f} +- {r['kl_se']:.3f}", f"{r['prefix']:.1f} +- {r['prefix_se']:.1f}",
              f"{r['prefix_median']:.0f}", _pct(r["identical"]), f"{_pct(r['arith'])} +- {100 * r['arith_se']:.1f}",
              f"{_pct(r['facts'])} +- {100 * r['facts_se']:.1f}"] for r in rows]
@@ -227,6 +303,11 @@ def main(argv=None) -> None:
             f"{len(data['arith'])} arithmetic questions; {len(data['facts'])} multiple-choice facts. Block "
             f"influence (ShortGPT) of the routed layers: "
             + ", ".join(f"{l}: {v:.3f}" for l, v in sorted(influence.items())))
+    if sublayer:
+        wa, wm = sublayer_work(base.config)
+        head += (f". SkipGPT (sublayer) points: skip is the skipped share of routed-layer work, attention weighted "
+                 f"{wa:.2f} and MLP {wm:.2f} (their linear-layer FLOPs per token); the next column gives each "
+                 f"sublayer's skipped share of tokens. Every token still writes its K/V, in both families")
     md = f"{head}\n\n{res.table(header, body)}"
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
