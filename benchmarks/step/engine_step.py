@@ -23,9 +23,12 @@ routed-layer work every skipping system skipped in the steps timed.
     python -m benchmarks.step.engine_step --phase prefill   # one 1024-token prompt
     python -m benchmarks.step.engine_step --phase both
     python -m benchmarks.step.engine_step --systems upstream rate0-auto trained-auto --prompts everyday
+    python -m benchmarks.step.engine_step --batch 32 --systems upstream sub-rate0-routed sub-attn0.5-routed \
+        sub-mlp0.5-routed                                  # a sublayer skipper: attention or MLP skipped
 
-Each skipping system is also compared with the rate-0 system of the same execution, paired in the
-same rounds: what skipping saves, apart from what vskipper's path costs. The decode phase also
+Each skipping system is also compared with the rate-0 system of the same execution (a sublayer
+skipper's, `sub-...`, with its own at rates 0), paired in the same rounds: what skipping saves, apart
+from what vskipper's path costs. The decode phase also
 prints what the per-layer routing work (router, decisions, counter, the routed bodies' rows and
 route maps, the row gathers and scatters) costs, timed alone at T = 1, 32, 256 and the batch sizes,
 so the overhead is a number per routed layer.
@@ -42,6 +45,7 @@ from benchmarks import results as R
 from benchmarks.results import log
 
 RATE0, HALF = "random:rate=0,layers=15-29,seed=0", "random:rate=0.5,layers=15-29,seed=0"
+SUB = "random:attn_rate={},mlp_rate={},layers=15-29,seed=0"  # a sublayer skipper: attention and MLP apart
 TRAINED = "flexidepth:name=smollm2-135m-flexidepth"  # the skipper shipped for the bundled model
 SYSTEMS = {  # name -> (skipper spec or None for upstream, execution, extend attention for the RUN rows only)
     "upstream": (None, None, True),
@@ -55,6 +59,10 @@ SYSTEMS = {  # name -> (skipper spec or None for upstream, execution, extend att
     "skip0.5-mlp-only": (HALF, "routed", False),  # extend attention for every row (as before routed prefill)
     "trained-routed": (TRAINED, "routed", True),
     "trained-auto": (TRAINED, "auto", True),
+    "sub-rate0-routed": (SUB.format(0, 0), "routed", True),
+    "sub-attn0.5-routed": (SUB.format(0.5, 0), "routed", True),  # attention skipped for half the rows
+    "sub-mlp0.5-routed": (SUB.format(0, 0.5), "routed", True),  # the MLP skipped for half the rows
+    "sub-both0.5-routed": (SUB.format(0.5, 0.5), "routed", True),
 }
 PHASES = {  # phase -> default systems, batch sizes, prompt tokens, paired rounds
     "decode": (["upstream", "rate0-dense", "rate0-routed", "rate0-auto", "rate0-routed-mlp", "skip0.5-routed",
@@ -151,7 +159,7 @@ def ratio_tables(times: dict[int, dict[str, list[float]]], systems: list[str]) -
         rows.append([B, f"{statistics.median(up) * 1e3:.1f}"]
                     + [paired_delta(t[n], up).ratio_text() for n in systems[1:]])
         for n in systems:
-            zero = "rate0-" + n.split("-", 1)[1] if n.startswith(("skip", "trained")) else None
+            zero = rate0_of(n)
             if zero in t:
                 saved.append([B, f"{n} / {zero}", paired_delta(t[n], t[zero]).ratio_text()])
     text = R.table(["batch", "upstream ms"] + [f"{n} / upstream (95% CI)" for n in systems[1:]], rows)
@@ -159,6 +167,15 @@ def ratio_tables(times: dict[int, dict[str, list[float]]], systems: list[str]) -
         text += ("\n\nWhat skipping saves (each skipper against rate 0, same execution, paired in the same "
                  "rounds):\n\n" + R.table(["batch", "skipping / nothing skipped", "ratio (95% CI)"], saved))
     return text
+
+
+def rate0_of(n: str) -> str | None:
+    """The rate-0 system a skipping system is compared with: the same execution, the same kind of skipper."""
+    if n.startswith(("skip", "trained")):
+        return "rate0-" + n.split("-", 1)[1]
+    if n.startswith("sub-") and not n.startswith("sub-rate0"):
+        return "sub-rate0-" + n.split("-", 2)[2]
+    return None
 
 
 def run_phase(args, runner, sets, phase: str, prompts) -> tuple[str, dict, dict]:
@@ -170,13 +187,13 @@ def run_phase(args, runner, sets, phase: str, prompts) -> tuple[str, dict, dict]
     systems, batches, input_len, rounds = settings(args, phase)
     repeats = args.prefill_repeats or args.repeats if phase == "prefill" else args.repeats
     model = runner.torch_runner.model
-    times, skipped = {}, {}
+    times, skipped, sublayers = {}, {}, {}
     for B in batches:
         step = (decode_step if phase == "decode" else prefill_step)(runner, sets, B, input_len,
                                                                     prompts(phase, B, input_len))
         skip_fractions(sets, systems)  # counts from the prefill and earlier batches left out
         times[B] = timed_rounds(systems, rounds[B], B, step, repeats=repeats)
-        skipped[B] = skip_fractions(sets, systems)
+        skipped[B], sublayers[B] = skip_fractions(sets, systems)
         log(f"{phase}, batch {B} done")
     use(model, *sets["upstream"])
     what = (f"prompts of {input_len} tokens" if args.prompts == "random" else
@@ -190,16 +207,21 @@ def run_phase(args, runner, sets, phase: str, prompts) -> tuple[str, dict, dict]
     text = f"{head}\n\n{ratio_tables(times, systems)}"
     if any(skipped[B] for B in batches):
         text += "\n\nShare of routed-layer work skipped in the steps timed: " + "; ".join(
-            f"batch {B}: " + ", ".join(f"{n} {f:.1%}" for n, f in skipped[B].items()) for B in batches)
+            f"batch {B}: " + ", ".join(f"{n} {f:.1%}" + (" (attention {:.1%}, MLP {:.1%})".format(*sublayers[B][n])
+                                                       if n in sublayers[B] else "")
+                                       for n, f in skipped[B].items()) for B in batches)
+        if any(sublayers[B] for B in batches):
+            text += " (a sublayer skipper's share is of its routed sublayers, attention and MLP counted alike)"
     if phase == "decode" and args.routing:
         text += "\n\n" + routing_table(model, sets, batches)
     return text, times, skipped
 
 
-def skip_fractions(sets, systems) -> dict[str, float]:
-    """{system: share of its routed-layer rows that skipped} since the last call (its route counters
-    zeroed; rate-0 systems left out)."""
-    out = {}
+def skip_fractions(sets, systems) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    """{system: share of its routed-layer work that skipped (rows of routed layers; a sublayer
+    skipper's routed sublayers)} since the last call (its route counters zeroed; rate-0 systems left
+    out), and for a sublayer skipper {system: (share of rows that skipped the attention, the MLP)}."""
+    out, parts = {}, {}
     for n in systems:
         state = sets[n][1]
         if state is None:
@@ -207,9 +229,12 @@ def skip_fractions(sets, systems) -> dict[str, float]:
         counts = [c.read() for c in state.counters.values()]
         for c in state.counters.values():
             c.counts.zero_()
-        if not n.startswith("rate0"):
-            out[n] = sum(c["project"] for c in counts) / max(sum(c["tokens"] for c in counts), 1)
-    return out
+        if "rate0" not in n:
+            out[n] = sum(c["project"] for c in counts) / max(sum(c["run"] + c["project"] for c in counts), 1)
+            if "mlp_skip" in counts[0]:
+                tokens = max(sum(c["tokens"] for c in counts), 1)
+                parts[n] = tuple(sum(c[k] for c in counts) / tokens for k in ("attention_skip", "mlp_skip"))
+    return out, parts
 
 
 def text_prompts(tok_dir: str, phase: str, B: int, input_len: int) -> list[list[int]]:
@@ -336,9 +361,9 @@ def routing_cost_us(state, hidden: int, T: int, reps: int = 200) -> dict[str, fl
 
 
 def routing_table(model, sets, batches: list[int]) -> str:
-    state = next((v[1] for v in sets.values() if v[1] is not None), None)
+    state = next((v[1] for v in sets.values() if v[1] is not None and not v[1].skipper.sublayers), None)
     if state is None:
-        return "(no vskipper system: no routing work to time)"
+        return "(no whole-layer vskipper system: no routing work timed)"
     n_routed = len(state.skipper.layers)
     rows, names = [], None
     for T in sorted(set(ROUTING_TS) | set(batches)):
