@@ -93,6 +93,7 @@ def parse(argv=None) -> argparse.Namespace:
                     help="random token ids (default) or the held-out everyday prompts (chat template)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="default: the phase's own (SYSTEMS)")
+    ap.add_argument("--name", help="the results' name: docs/results/NAME.md (default engine-step-PHASE)")
     R.add_arguments(ap, None)
     a = ap.parse_args(argv)
     if (min(a.batch or [1]) < 1 or min(a.rounds or [2]) < 2 or (a.input_len or 1) < 1 or a.threads < 1
@@ -414,8 +415,8 @@ def main(argv=None) -> None:
     with_model_runner(model_dir, work, max_total_tokens=pool)
     text = "\n\n".join(sections) + "\n"
     print(text)
-    R.write_results(f"engine-step-{args.phase}", {"args": vars(args), "step_s": times, "skipped": skipped}, text,
-                    args.out, R.docs_dir(args))
+    R.write_results(args.name or f"engine-step-{args.phase}", {"args": vars(args), "step_s": times,
+                                                                "skipped": skipped}, text, args.out, R.docs_dir(args))
 
 
 if __name__ == "__main__":
