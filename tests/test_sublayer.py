@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -172,15 +173,22 @@ def test_explain_names_the_sublayer_bodies():
     assert "does not time sublayer bodies" in vskipper.explain(transformed(base, sk, "auto"))
 
 
+TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("body", ["routed", "routed-mlp"])
-def test_fixed_shape_sublayer_body_matches_reference_without_host_sync(family, body):
+@pytest.mark.parametrize("body, impl", [("routed", "torch"), ("routed-mlp", "torch"),
+                                        pytest.param("routed", "triton", marks=pytest.mark.skipif(
+                                            not TRITON_RUNS, reason="Triton needs CUDA or TRITON_INTERPRET=1"))])
+def test_fixed_shape_sublayer_body_matches_reference_without_host_sync(family, body, impl):
     """The graph-safe form: fixed shapes, the MLP's rows from route maps of its own decisions, grouped
-    SwiGLU, no host sync at decode (guarded); padded batches, greedy tokens and routes as the reference."""
+    SwiGLU, no host sync at decode (guarded); padded batches, greedy tokens and routes as the reference;
+    in vskipper's torch ops and its Triton kernels (route maps, grouped SwiGLU; interpreted on CPU)."""
     base = FAMILIES[family]()
     sk = vskipper.RandomSublayerSkip(0.4, 0.6, [1, 3, 4], seed=7)
     seqs = prompts((6, 3, 9))
-    m = transformed(base, sk, body, static_shapes=True, check_sync=True)  # decode steps are guarded
+    m = transformed(base, sk, body, static_shapes=True, check_sync=True, impl=impl)  # decode steps are guarded
+    assert f"{impl} ops" in vskipper.explain(m)
     maps = [n for n in m.vskipper.graphs[0].graph.nodes if n.meta.get("vskipper", {}).get("role") == "route_maps"]
     assert len(maps) == 3 and all(n.args[0].target is torch.select and n.args[0].args[1:] == (-1, 1) for n in maps)
     assert_batch_matches_reference(m, base, sk, seqs, 12)
