@@ -63,7 +63,13 @@ SYSTEMS = {  # name -> (skipper spec or None for upstream, execution, extend att
     "sub-attn0.5-routed": (SUB.format(0.5, 0), "routed", True),  # attention skipped for half the rows
     "sub-mlp0.5-routed": (SUB.format(0, 0.5), "routed", True),  # the MLP skipped for half the rows
     "sub-both0.5-routed": (SUB.format(0.5, 0.5), "routed", True),
+    # the fixed-shape body: vskipper's masked attention at rates 0 too, so against its own rate 0 only the
+    # skipping differs (the dynamic body at rates 0 attends through SGLang's own attention)
+    "sub-rate0-fixed": (SUB.format(0, 0), "routed", True),
+    "sub-attn0.5-fixed": (SUB.format(0.5, 0), "routed", True),
+    "sub-mlp0.5-fixed": (SUB.format(0, 0.5), "routed", True),
 }
+FIXED_SHAPES = {n for n in SYSTEMS if n.endswith("-fixed")}  # run with static_shapes=True
 PHASES = {  # phase -> default systems, batch sizes, prompt tokens, paired rounds
     "decode": (["upstream", "rate0-dense", "rate0-routed", "rate0-auto", "rate0-routed-mlp", "skip0.5-routed",
                 "skip0.5-routed-mlp", "skip0.5-auto"], [1, 8, 32], 128, 30),
@@ -138,7 +144,8 @@ def layer_sets(model, systems):
         if spec is None:
             out[name] = (upstream, None)
             continue
-        vskipper.transform(model, vskipper.parse_skipper(spec), vskipper.Config(execution=execution))
+        vskipper.transform(model, vskipper.parse_skipper(spec),
+                           vskipper.Config(execution=execution, static_shapes=True if name in FIXED_SHAPES else None))
         layers = list(inner.layers)
         if not routed_extend:  # this system's attention parts attend for all rows in extend batches
             for layer in layers:
@@ -312,7 +319,8 @@ def describe(systems: list[str]) -> str:
     for n in systems:
         spec, execution, routed_extend = SYSTEMS[n]
         parts.append(f"{n} = SGLang alone" if spec is None else
-                     f"{n} = {spec} ({execution}{'' if routed_extend else ', extend attention for every row'})")
+                     f"{n} = {spec} ({execution}{', fixed shapes' if n in FIXED_SHAPES else ''}"
+                     f"{'' if routed_extend else ', extend attention for every row'})")
     return ", ".join(parts)
 
 
