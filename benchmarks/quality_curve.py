@@ -140,8 +140,8 @@ def evaluate(name: str, model, base_data: dict, tok, args, share: float = 1.0) -
     skip_a = skip_m = None
     if counted is not None:
         skip, skip_a, skip_m = counted.shares()
-    row = {"name": name, "skip": skip, "skip_attention": skip_a, "skip_mlp": skip_m, "top1": tf["top1_mean"], "top1_se": tf["top1_stderr"],
-           "kl": tf["kl_mean"], "kl_se": tf["kl_stderr"], "prefix": ag["prefix_mean"],
+    row = {"name": name, "skip": skip, "skip_attention": skip_a, "skip_mlp": skip_m, "top1": tf["top1_mean"],
+           "top1_se": tf["top1_stderr"], "kl": tf["kl_mean"], "kl_se": tf["kl_stderr"], "prefix": ag["prefix_mean"],
            "prefix_se": ag["prefix_mean_stderr"], "prefix_median": ag["prefix_median"],
            "identical": ag["identical"], "arith": am, "arith_se": ase, "facts": fm, "facts_se": fse,
            "seconds": time.perf_counter() - t0}
@@ -288,8 +288,8 @@ def main(argv=None) -> None:
     if args.compare:
         rows.append({**evaluate(f"compared: {args.compare}", transformed(vskipper.parse_skipper(args.compare)), data,
                                 tok, args), "kind": "compared", "setting": args.compare})
-    header = ["system", "setting", "skip", "attention / MLP skipped", "top-1 (tf)", "KL (tf)", "agreeing prefix", "median", "identical",
-              "arithmetic", "facts"]
+    header = ["system", "setting", "skip", "attention / MLP skipped", "top-1 (tf)", "KL (tf)", "agreeing prefix",
+              "median", "identical", "arithmetic", "facts"]
     body = [[r["kind"], r["setting"], _pct(r["skip"]),
              "-" if r.get("skip_attention") is None else f"{_pct(r['skip_attention'])} / {_pct(r['skip_mlp'])}",
              f"{_pct(r['top1'])} +- {100 * r['top1_se']:.1f}",
