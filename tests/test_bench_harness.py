@@ -453,3 +453,20 @@ def test_engine_step_text_prompts_are_the_everyday_prompts_in_the_chat_template(
     assert engine_step.settings(one, "decode")[3] == {8: 9, 32: 9}
     with pytest.raises(SystemExit):
         engine_step.parse(["--batch", "8", "32", "--rounds", "4", "5", "6"])  # neither one nor one per batch size
+
+
+def test_engine_step_compares_each_skipper_with_its_own_rate_0():
+    """Whole-layer skippers against rate 0 of their execution; a sublayer skipper against its own rates
+    0 in the same body (the fixed-shape one attends through vskipper's masked attention at rates 0 too)."""
+    import vskipper
+    from benchmarks.step.engine_step import FIXED_SHAPES, SYSTEMS, rate0_of
+
+    assert rate0_of("skip0.5-routed") == "rate0-routed" and rate0_of("trained-auto") == "rate0-auto"
+    assert rate0_of("sub-attn0.5-fixed") == "sub-rate0-fixed" and rate0_of("sub-mlp0.5-routed") == "sub-rate0-routed"
+    assert rate0_of("upstream") is None and rate0_of("sub-rate0-fixed") is None
+    for name, (spec, _, _) in SYSTEMS.items():
+        if name.startswith("sub-"):
+            assert name.startswith("sub-rate0") or rate0_of(name) in SYSTEMS, name
+            sk = vskipper.parse_skipper(spec)
+            assert sk.sublayers and (sk.attn_rate > 0) == ("attn" in name or "both" in name), name
+            assert (name in FIXED_SHAPES) == name.endswith("-fixed")

@@ -95,7 +95,8 @@ def test_skipgpt_chunked_prefill_matches_the_reference(tmp_path, static):
 def test_per_request_budgets_count_layers_of_both_sublayers(tmp_path, capfd, static):
     """skip false: upstream's tokens; max_skip 0.25 (1 of the 4 routed layers may skip a sublayer): the
     reference's under budget 1; the per-setting counts are sublayer decisions, forced rows run both."""
-    from test_per_request import NEW as N, generate, last_setting_stats
+    from test_per_request import NEW as N
+    from test_per_request import generate, last_setting_stats
 
     path, base, sk = checkpoint(tmp_path)
     base.save_pretrained(tmp_path / "stock", safe_serialization=True)
