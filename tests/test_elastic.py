@@ -244,8 +244,9 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
 
 @pytest.mark.sglang
 def test_metrics_give_the_level_the_target_and_tokens_per_level_over_http(tmp_path):
-    """`vskipper serve --tpot-ms` with --enable-metrics (and --stats-interval, which exports vskipper's
-    counters): /metrics carries the elastic gauges (level, target) and counts tokens per level; a
+    """`vskipper serve --tpot-ms` with --enable-metrics and no --stats-interval (vskipper's counters are
+    exported all the same, with no log line): /metrics carries the elastic gauges (level, target), the
+    route counters, and counts tokens per level; a
     wave under a target no step meets puts tokens at the top level, and the first request (admitted
     idle) at level 0."""
     import os
@@ -273,7 +274,7 @@ def test_metrics_give_the_level_the_target_and_tokens_per_level_over_http(tmp_pa
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "vskipper.cli", "serve", "--model-path", str(path),
                              "--skip-tokenizer-init", "--no-calibrate", "--port", str(port), "--max-total-tokens",
-                             "4096", "--enable-metrics", "--stats-interval", "4", "--tpot-ms", "0.001",
+                             "4096", "--enable-metrics", "--tpot-ms", "0.001",
                              "--max-running-requests", "4"],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     g = torch.Generator().manual_seed(5)
@@ -307,6 +308,8 @@ def test_metrics_give_the_level_the_target_and_tokens_per_level_over_http(tmp_pa
         assert tokens.get("0", 0) > 0 and tokens.get("4", 0) > 0, (tokens, text[-3000:])
         assert re.search(r"^vskipper_elastic_target_tpot_ms(\{[^}]*\})? 0\.001$", text, re.M), text[-3000:]
         assert sum(metric(url, "vskipper_elastic_seconds_total", "level").values()) > 0
+        assert sum(metric(url, "vskipper_routed_layer_tokens_total", "route").values()) > 0, text[-3000:]
+        assert "vskipper: after " not in open(tmp_path / "server.log").read()  # no stats line was asked for
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

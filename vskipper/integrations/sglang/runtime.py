@@ -18,6 +18,7 @@ from vskipper.integrations.sglang.settings import Settings
 from vskipper.skippers import parse_skipper
 
 logger = logging.getLogger("vskipper")
+EXPORT_INTERVAL = 8  # decode steps between /metrics updates where no stats line is asked for (--enable-metrics alone)
 
 
 def transform_loaded(runner) -> None:
@@ -67,8 +68,8 @@ def transform_loaded(runner) -> None:
         from vskipper.integrations.sglang import elastic
 
         elastic.install(runner, model, settings.target(), budgets)
-    if settings.stats_interval:
-        install_stats_logger(runner, settings.stats_interval)
+    if settings.stats_interval or os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # the log line, or /metrics alone
+        install_stats_logger(runner, settings.stats_interval or EXPORT_INTERVAL, log=bool(settings.stats_interval))
     if settings.route_digest:
         from sglang.srt.runtime_context import get_parallel
 
@@ -197,10 +198,10 @@ def check_supported(runner, routed) -> None:
 class StatsReporter:
     """Counts decode steps after each model-runner step and, every `interval`, reads the route
     counters (a host read, outside the model's forward, never while SGLang captures a graph), logs
-    them and updates the Prometheus export."""
+    them (`log`) and updates the Prometheus export (where SGLang runs with --enable-metrics)."""
 
-    def __init__(self, model, interval: int) -> None:
-        self.model, self.interval, self.steps = model, interval, 0
+    def __init__(self, model, interval: int, log: bool = True) -> None:
+        self.model, self.interval, self.steps, self.log = model, interval, 0, log
         self.export = PrometheusExport() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
 
     def after_step(self, forward_batch) -> None:
@@ -219,8 +220,9 @@ class StatsReporter:
             tokens = level_tokens(by)
             elastic = (f"; {e.controller.describe(now)}; tokens per level "
                        + " ".join(f"{j}:{n}" for j, n in enumerate(tokens) if n) if e is not None else "")
-            logger.info("vskipper: after %d decode steps: %s; %s%s%s", self.steps, format_stats(st),
-                        format_settings(by), chosen, elastic)
+            if self.log:
+                logger.info("vskipper: after %d decode steps: %s; %s%s%s", self.steps, format_stats(st),
+                            format_settings(by), chosen, elastic)
             if self.export is not None:
                 self.export.update(st, by)
                 if e is not None:
@@ -230,8 +232,8 @@ class StatsReporter:
 _REPORTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> its StatsReporter
 
 
-def install_stats_logger(runner, interval: int) -> None:
-    _REPORTERS[runner] = StatsReporter(runner.model, interval)
+def install_stats_logger(runner, interval: int, log: bool = True) -> None:
+    _REPORTERS[runner] = StatsReporter(runner.model, interval, log)
 
 
 def reporter_of(runner) -> StatsReporter | None:
