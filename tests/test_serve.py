@@ -14,6 +14,7 @@ import time
 import pytest
 from safetensors.torch import load_file, save_file
 
+from vskipper.eval.server import free_port
 from vskipper.models.hf_loader import save_checkpoint
 
 from helpers import readme_blocks, run_block
@@ -21,12 +22,6 @@ from tiny import flexidepth_for, synthetic_calibration, tiny_llama
 
 pytestmark = pytest.mark.sglang
 VSKIPPER = [sys.executable, "-m", "vskipper.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,13 @@ from pathlib import Path
 
 import torch
 
+from vskipper.eval.server import free_port  # noqa: F401 (the benchmarks and tests import it from here)
+
 # One CPU thread per server (OMP_NUM_THREADS), in every serving benchmark: with torch's default of
 # one per core, a server on the shared 2-CPU machine ran 5-13x slower whenever another process held
 # a core, its OpenMP threads waiting on each other (benchmarks/README.md, "Measurements behind the
 # settings").
 SERVER_THREADS = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

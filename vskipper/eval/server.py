@@ -110,7 +110,20 @@ def greedy(root: str, prompts: list[list[int]], max_new_tokens: int, concurrency
     return out  # type: ignore[return-value]
 
 
-def free_port() -> int:
+def free_port(low: int = 12000, high: int = 21999) -> int:
+    """A port free now for a server started later, taken below the kernel's ephemeral range (as
+    SGLang picks its own; its range starts at 22000): a port from bind(0) is ephemeral, so between
+    this check and the server's bind the kernel may hand it to another socket (SGLang's own
+    connections among them), and the server then fails with "address already in use"."""
+    import random
+
+    for port in random.sample(range(low, high + 1), 64):
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+            return port
+        except OSError:
+            continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
