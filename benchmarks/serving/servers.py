@@ -98,7 +98,12 @@ def start(system: System, log_dir: Path, max_total_tokens: int = 32768, timeout:
            "--log-level", log_level]
     if not torch.cuda.is_available():
         env["SGLANG_PLATFORM"] = "vskipper_cpu"
-        cmd += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
+        # --mem-fraction-static: on CPU SGLang sizes the KV pool from host memory free after loading,
+        # less a slack of (1 - fraction) x what was free before; with several servers starting at once
+        # the others' loading eats into it (the sixth server of the elastic ramp failed with "no memory
+        # for the KV cache" at the default). The pool is capped by --max-total-tokens anyway.
+        cmd += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
+                "--mem-fraction-static", "0.95"]
     cmd += list(system.args)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{system.name}.log"
