@@ -125,17 +125,43 @@ def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: in
     return best, curve
 
 
-def systems_for(model: str, skippers: dict[str, str], target_ms: float, level0: str) -> list[System]:
+def systems_for(model: str, name: str, spec: str, target_ms: float, level0: str | None) -> list[System]:
+    """One skipper's servers: upstream, vskipper at level 0 (when `level0`: its spec), the skipper at
+    fixed depth and elastic."""
     on = (("VSKIPPER_STATS_INTERVAL", "8"),)
-    out = [System("upstream", model, label="upstream", args=("--enable-metrics",)),
-           System("level0", model, level0, env=on, label="vskipper, level 0 (nothing skipped)",
-                  args=("--enable-metrics",))]
-    for name, spec in skippers.items():
-        out.append(System(f"fixed-{name}", model, spec, env=on, label=f"{name}, fixed depth",
+    out = [System("upstream", model, label="upstream", args=("--enable-metrics",))]
+    if level0:
+        out.append(System("level0", model, level0, env=on, label="vskipper, level 0 (nothing skipped)",
                           args=("--enable-metrics",)))
-        out.append(System(f"elastic-{name}", model, spec, env=on + (("VSKIPPER_TPOT_MS", f"{target_ms:.3f}"),),
-                          label=f"{name}, elastic", args=("--enable-metrics",)))
+    out.append(System(f"fixed-{name}", model, spec, env=on, label=f"{name}, fixed depth", args=("--enable-metrics",)))
+    out.append(System(f"elastic-{name}", model, spec, env=on + (("VSKIPPER_TPOT_MS", f"{target_ms:.3f}"),),
+                      label=f"{name}, elastic", args=("--enable-metrics",)))
     return out
+
+
+def ramp(client, servers: dict, steps, rate: float, rows_for, probes: int, seed: int) -> list[dict]:
+    """Every step offered to every server in turn (the order rotating per step): the step's figures per
+    system, and each system's greedy agreement with upstream on the step's first `probes` requests."""
+    names, done = list(servers), []
+    for i, f in enumerate(steps):
+        rows = rows_for(f * rate, seed + 10 + i)
+        step = {"multiple": f, "rate": f * rate, "requests": len(rows), "systems": {}}
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            srv = servers[name]
+            before, levels = route_counts(srv.url), level_tokens(srv.url)
+            m = measure(client, srv.url, rows, f * rate, seed + 10 + i)
+            run, project = (a - b for a, b in zip(route_counts(srv.url), before))
+            m["skip"] = project / (run + project) if run + project else None
+            m["levels"] = shares(level_tokens(srv.url), levels)
+            step["systems"][name] = m
+            log(f"{f:g}x {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms, skip {m['skip']}")
+        ref = [client.tokenizer.encode(t) for t in step["systems"]["upstream"]["texts"][:probes]]
+        for name in names:
+            m = step["systems"][name]
+            gen = [client.tokenizer.encode(t) for t in m.pop("texts")[:probes]]
+            m["agreement"] = prefix_share(gen, ref) if name != "upstream" else None
+        done.append(step)
+    return done
 
 
 def table(steps: list[dict], names: list[str], target_ms: float) -> str:
@@ -245,32 +271,17 @@ def main(argv=None) -> None:
                                 search, strict=not args.smoke)
     finally:
         stop(up)
-    systems = systems_for(args.model, skippers, target, f"random:rate=0,layers={layers},seed=0")
-    names = [s.name for s in systems]
-    servers = start_all(systems, args.out / "logs", threads=SERVER_THREADS, log_level="info")
-    done = []
-    try:
-        for i, f in enumerate(steps):
-            n = count(f * rate)
-            rows, step = rows_of(args.seed + 10 + i, n), {"multiple": f, "rate": f * rate, "requests": n, "systems": {}}
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                srv = servers[name]
-                before, levels = route_counts(srv.url), level_tokens(srv.url)
-                m = measure(client, srv.url, rows, f * rate, args.seed + 10 + i)
-                run, project = (a - b for a, b in zip(route_counts(srv.url), before))
-                m["skip"] = project / (run + project) if run + project else None
-                m["levels"] = shares(level_tokens(srv.url), levels)
-                step["systems"][name] = m
-                log(f"{f:g}x {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms, skip {m['skip']}")
-            ref = [client.tokenizer.encode(t) for t in step["systems"]["upstream"]["texts"][:args.probes]]
-            for name in names:
-                m = step["systems"][name]
-                gen = [client.tokenizer.encode(t) for t in m.pop("texts")[:args.probes]]
-                m["agreement"] = prefix_share(gen, ref) if name != "upstream" else None
-            done.append(step)
-    finally:
-        for srv in servers.values():
-            stop(srv)
+    # One skipper at a time, each beside its own upstream: six SGLang servers at once outgrow 24 GB.
+    runs, level0 = {}, f"random:rate=0,layers={layers},seed=0"
+    for k, (name, spec) in enumerate(skippers.items()):
+        systems = systems_for(args.model, name, spec, target, level0 if k == 0 else None)
+        servers = start_all(systems, args.out / "logs", threads=SERVER_THREADS, log_level="info")
+        try:
+            runs[name] = ramp(client, servers, steps, rate, lambda r, seed: rows_of(seed, count(r)), args.probes,
+                              args.seed)
+        finally:
+            for srv in servers.values():
+                stop(srv)
     how = (f"{MARGIN:g}x upstream's median p90 TPOT of 3 runs at {KNEE:g}x its saturated capacity of {cap:.3f} req/s"
            if args.tpot_ms == "auto" else "given")
     md = (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, upstream's highest rate meeting it "
@@ -278,12 +289,15 @@ def main(argv=None) -> None:
           f"{args.step_seconds:g} s of arrivals per step (at least {args.requests} requests), "
           f"{args.max_new_tokens} output tokens, the first {args.probes} the "
           f"same prompts every step (agreement: greedy tokens reproduced before the first divergence from "
-          f"upstream's). * = p90 TPOT over the target. Figure: elastic-ramp.png in the run's --out.\n\n"
-          + table(done, names, target))
+          f"upstream's). * = p90 TPOT over the target. One skipper at a time, beside its own upstream.")
+    for k, (name, done) in enumerate(runs.items()):
+        png = "elastic-ramp.png" if k == 0 else f"elastic-ramp-{name}.png"
+        names = list(done[0]["systems"])
+        md += f"\n\n## {name} (figure: {png})\n\n" + table(done, names, target)
+        plot(done, names, target, args.out / png)
     print(md)
-    plot(done, names, target, args.out / "elastic-ramp.png")
-    R.write_results("elastic-ramp", {"target_ms": target, "capacity": cap, "rate": rate, "search": curve, "steps": done,
-                                     "systems": names, "smoke": args.smoke}, md, args.out, R.docs_dir(args))
+    R.write_results("elastic-ramp", {"target_ms": target, "capacity": cap, "rate": rate, "search": curve,
+                                     "runs": runs, "smoke": args.smoke}, md, args.out, R.docs_dir(args))
 
 
 def _cuda() -> bool:
