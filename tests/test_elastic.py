@@ -156,6 +156,32 @@ def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 1000
 
 
+def test_ramp_search_needs_two_misses_to_stop_and_reports_every_measurement():
+    """find_rate: a rate whose p90 TPOT misses the target once and meets it on the second try counts as
+    met; the search ends at the first rate that misses twice; R is the last rate met."""
+    from types import SimpleNamespace
+
+    from benchmarks.serving.elastic_ramp import find_rate
+
+    class Fake:  # a p90 TPOT of (e2e - ttft) / (n - 1) per request, scripted per call
+        def __init__(self, tpots):
+            self.tpots, self.calls = list(tpots), []
+
+        def run(self, url, rows, concurrency, rate, seed):
+            self.calls.append(rate)
+            t = self.tpots.pop(0)
+            return SimpleNamespace(per_request=[(True, 0.0, t * (r.output_len - 1), r.output_len, 0.0) for r in rows],
+                                   output_throughput=1.0, texts=())
+
+    rows = lambda rate: [SimpleNamespace(output_len=5)] * 3  # noqa: E731
+    fake = Fake([0.010, 0.050, 0.020, 0.030, 0.060, 0.070, 0.001])  # seconds per token
+    rate, curve = find_rate(fake, "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2, 0.3, 0.4))
+    assert rate == 3.0 and fake.calls == [1.0, 2.0, 2.0, 3.0, 4.0, 4.0]
+    assert [round(p) for _, p in curve] == [10, 50, 20, 30, 60, 70]
+    with pytest.raises(SystemExit, match="larger --tpot-ms"):
+        find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2))
+
+
 # --- real SGLang on CPU ------------------------------------------------------------------------
 NEW = 10
 
