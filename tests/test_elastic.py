@@ -180,6 +180,9 @@ def test_ramp_search_needs_two_misses_to_stop_and_reports_every_measurement():
     assert [round(p) for _, p in curve] == [10, 50, 20, 30, 60, 70]
     with pytest.raises(SystemExit, match="larger --tpot-ms"):
         find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2))
+    rate, _ = find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2),
+                        strict=False)  # a smoke run goes on from the lowest rate searched
+    assert rate == 1.0
 
 
 # --- real SGLang on CPU ------------------------------------------------------------------------

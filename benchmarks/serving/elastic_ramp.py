@@ -118,7 +118,7 @@ def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: in
         best = f * cap
     if best is None and not strict:
         log("  upstream meets the target at no rate searched: a smoke run goes on from the lowest")
-        best = search[0] * capacity
+        best = search[0] * cap
     if best is None:
         raise SystemExit(f"upstream misses the {target_ms:g} ms target even at {search[0]:g}x its capacity: "
                          f"give a larger --tpot-ms")
