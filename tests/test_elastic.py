@@ -10,7 +10,18 @@ import re
 import pytest
 import torch
 
-from vskipper.elastic import DOWN, LADDER, MIN_SAMPLES, Controller, StepModel, Target, ladder
+from vskipper.elastic import (
+    DOWN,
+    HISTORY,
+    LADDER,
+    MIN_SAMPLES,
+    STREAM,
+    Controller,
+    StepModel,
+    Target,
+    ladder,
+    stream_p90,
+)
 
 from tiny import synthetic_calibration
 
@@ -36,13 +47,13 @@ def test_step_model_prices_deeper_caps_as_faster_and_mixes_rows():
     assert m([0] * 4 + [4] * 4) == pytest.approx((m([0] * 8) + m([4] * 8)) / 2)  # linear in f on this table
 
 
-def run_steps(c: Controller, now: float, n: int, ms: float) -> float:
-    """n decode step times of `ms` after a pause (a pause is not a step time)."""
+def run_steps(c: Controller, now: float, n: int, ms: float, budgets=(0,) * 8) -> float:
+    """n decode step times of `ms`, each of rows with `budgets`, after a pause (a pause is not a step time)."""
     c.idle()
-    c.decode_step(now)
+    c.decode_step(now, budgets)
     for _ in range(n):
         now += ms / 1e3
-        c.decode_step(now)
+        c.decode_step(now, budgets)
     return now
 
 
@@ -58,11 +69,14 @@ def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
     want = next(j for j, k in enumerate(ladder(L)) if 12.0 * m([k] * 8) / m([0] * 8) <= 10.0)
     assert c.level == want > 0 and "over target" in c.reason, c.reason  # the lowest level predicted to fit
     # the new level's steps just under the target: inside the hysteresis band, it holds
-    now = run_steps(c, now + 1, MIN_SAMPLES, 9.9)
-    assert not c.tick(now + 1, [ladder(L)[want]] * 8, 8, 8) and c.level == want and "holding" in c.reason
+    k = ladder(L)[want]
+    now = run_steps(c, now + 1, MIN_SAMPLES - 1, 9.9, [k] * 8)
+    assert not c.tick(now + 1, [k] * 8, 8, 8) and c.reason == "measuring"  # too few steps at the new level
+    now = run_steps(c, now + 1, 2, 9.9, [k] * 8)
+    assert not c.tick(now + 1, [k] * 8, 8, 8) and c.level == want and "holding" in c.reason, c.reason
     # the load goes down to 2 running: level 0 is predicted well under the target, so it falls
-    now = run_steps(c, now + 1, MIN_SAMPLES, 3.0)
-    assert c.tick(now + 1, [ladder(L)[want]] * 2, 0, 8) and c.level == 0, c.reason
+    now = run_steps(c, now + 1, STREAM, 3.0, [k] * 2)
+    assert c.tick(now + 1, [k] * 2, 0, 8) and c.level == 0, c.reason
     assert f"{DOWN:g} x target" in c.reason
     # idle: level 0 at once; time per level adds up
     c2 = Controller(Target(tpot_ms=1e-3, period_s=0.5), ladder(L), m, now=0.0)
@@ -70,6 +84,34 @@ def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
     assert c2.tick(now + 1, [0] * 8, 4, 8) and c2.level == L  # nothing fits: the fastest level
     assert c2.tick(now + 2, [], 0, 8) and c2.level == 0 and c2.reason == "idle"
     assert sum(c2.time_per_level(now + 3)) == pytest.approx(now + 3)
+    assert not c2.steps and c2.observed() == pytest.approx(5.0)  # idle drops the steps, reports the last
+
+
+def test_rule_judges_a_streams_length_of_steps_so_one_prefill_does_not_raise_it():
+    """Steps of 6 ms under a 10 ms target with one 60 ms step (a new request's prefill ran between two
+    decode steps) every STREAM steps: a stream's TPOT stays under the target, so the level stays 0; the same
+    prefill every 4 steps makes streams miss it, and the level rises."""
+    m = step_model()
+    c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
+    now = run_steps(c, 0.0, 0, 6.0)
+    for i in range(HISTORY):
+        now += (60.0 if i % STREAM == 5 else 6.0) / 1e3
+        c.decode_step(now, [0] * 8)
+        c.tick(now, [0] * 8, 2, 8)
+        assert c.level == 0, (i, c.reason)
+    assert "holding" in c.reason and 6.0 < c.observed() < 10.0
+    for i in range(STREAM):
+        now += (60.0 if i % 4 == 0 else 6.0) / 1e3
+        c.decode_step(now, [0] * 8)
+    assert c.tick(now + 1, [0] * 8, 2, 8) and c.level > 0 and "over target" in c.reason, c.reason
+
+
+def test_stream_p90_is_the_p90_of_the_means_of_stream_long_runs_of_steps():
+    steps = [(float(i), 2.0) for i in range(1, 11)]  # measured 1..10 ms, predicted 2 ms each
+    ratio, mean = stream_p90(steps, stream=4)  # runs: means 2.5, 3.5, ..., 8.5 (7 of them)
+    assert mean == pytest.approx(8.5) and ratio == pytest.approx(8.5 / 2)  # the 7th of 7
+    assert stream_p90(steps[:3], stream=4) == pytest.approx((1.0, 2.0))  # fewer steps than a stream: all of them
+    assert stream_p90([]) is None
 
 
 def test_rule_ttft_target_raises_at_least_one_level():
@@ -266,7 +308,8 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
     assert re.search(r"elastic depth level 4 -> 0: idle", err), err[-3000:]
     assert after == upstream[0], "after the load: level 0 again"
     line = [x for x in err.splitlines() if "elastic level" in x][-1]
-    assert re.search(r"elastic level 0/4 .*target TPOT 0.001 ms; observed p90 TPOT [\d.]+ ms; time per level 0:", line)
+    assert re.search(r"elastic level 0/4 .*target TPOT 0.001 ms; observed stream p90 TPOT [\d.]+ ms; "
+                     r"time per level 0:", line)
     tokens = dict(re.findall(r"(\d+):(\d+)", line.split("tokens per level")[1]))
     assert int(tokens.get("0", 0)) > 0 and int(tokens.get("4", 0)) > 0, line
 

@@ -8,20 +8,24 @@ layers as the request's budget, through the same per-row budget buffer as the re
 
 The rule, once per control period (`Target.period_s`), from what the scheduler knows:
     n      = running + queued requests;  B = min(n, the most the server runs at once)
-    p90    = the 90th percentile of the decode step times seen since the last decision (a step time
-             is the time between two decode steps: what a running stream's TPOT is)
-    model  = the calibration's prediction of one decode step for a batch of per-row budgets (StepModel)
-    est_j  = p90 * model([k_j] * B) / model(budgets of the running requests)
-             (the calibration says how the step scales; the measured step says what it costs here)
+    step   = the time between two decode steps (what a running stream's gaps are, a prefill run between
+             them included), kept with the calibration's prediction of that step for its rows' budgets
+             (StepModel: it says how a step scales with the batch and its budgets)
+    scale  = the 90th percentile, over every run of STREAM consecutive steps among the last HISTORY, of
+             measured / predicted time: a stream's TPOT is the mean of its gaps, so this is the p90 TPOT
+             a stream would see, per unit of predicted step (steps at any level count alike)
+    est_j  = scale * model([k_j] * B), the p90 TPOT predicted at level j
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
-    n == 0                            -> level 0 (idle)
-    fewer than MIN_SAMPLES step times -> keep (measuring)
+    n == 0                            -> level 0 (idle; the steps kept are dropped)
+    fewer than MIN_SAMPLES steps kept, or since the level changed -> keep (measuring)
     over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot (and, for
           TTFT, at least c + 1); if none: the level with the least est_j (the top, unless it does not help)
     under: some level below c has est_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft)
           -> the lowest such level (the gap between 1 and DOWN is the hysteresis)
     else keep.
-Plain host arithmetic on a few numbers per period; nothing runs on the device."""
+A step is judged over a stream's length, not alone: one step carrying a new request's prefill is several
+times a decode step, and a rule that read a few steps' p90 swung between level 0 and the top on it.
+Plain host arithmetic on a few hundred numbers per period; nothing runs on the device."""
 from __future__ import annotations
 
 import math
@@ -31,8 +35,10 @@ from dataclasses import dataclass
 from vskipper.control import RequestControl
 
 LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
-MIN_SAMPLES = 4  # step times needed at a level before the rule trusts what it measures
-WINDOW = 64  # step times (and first-token times) kept
+MIN_SAMPLES = 8  # decode steps needed (kept, and since the level changed) before the rule decides
+STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
+HISTORY = 4 * STREAM  # decode steps kept
+WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a lower level must be predicted within this share of the target
 
 
@@ -84,14 +90,43 @@ class StepModel:
         self.cal, self.bodies = calibration, tuple(b for b in bodies if b in calibration.bodies()) or ("dense",)
         self.n_layers, self.n_routed = n_layers, n_routed
         self.f = 0.5 if run_fraction is None else run_fraction
+        self._memo: dict[tuple[int, ...], float] = {}  # every decode step asks; batches repeat
 
     def __call__(self, budgets) -> float:
+        key = tuple(sorted(budgets))
+        ms = self._memo.get(key)
+        if ms is None:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            ms = self._memo[key] = self._price(key)
+        return ms
+
+    def _price(self, budgets: tuple[int, ...]) -> float:
         T = max(1, len(budgets))
         ms = (self.n_layers - self.n_routed) * self.cal.predict("dense", T, 1.0)
         for r in range(self.n_routed):
             f = sum(1.0 if b <= r else self.f for b in budgets) / T if budgets else 1.0
             ms += min(self.cal.predict(b, T, f) for b in self.bodies)
         return ms
+
+
+def stream_p90(steps, stream: int = STREAM) -> tuple[float, float] | None:
+    """(p90 of measured / predicted, p90 of the mean measured step) over every run of `stream`
+    consecutive (measured, predicted) steps (all of them, when fewer are kept)."""
+    steps = list(steps)
+    if not steps:
+        return None
+    w = min(stream, len(steps))
+    ms = pred = 0.0
+    ratios, means = [], []
+    for i, (m, p) in enumerate(steps):
+        ms, pred = ms + m, pred + p
+        if i >= w:
+            ms, pred = ms - steps[i - w][0], pred - steps[i - w][1]
+        if i >= w - 1:
+            ratios.append(ms / pred)
+            means.append(ms / w)
+    return p90(ratios), p90(means)
 
 
 class Controller:
@@ -103,8 +138,9 @@ class Controller:
         self.top = len(budgets) - 1
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
-        self.steps: deque[float] = deque(maxlen=WINDOW)  # ms, since the last decision
-        self.recent: deque[float] = deque(maxlen=WINDOW)  # ms, whatever the level (reported)
+        self.steps: deque[tuple[float, float]] = deque(maxlen=HISTORY)  # (ms, predicted ms), any level
+        self.fresh = 0  # decode steps since the level changed
+        self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
         self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
         self.last_step: float | None = None
         self.last_tick = self.since = now
@@ -113,11 +149,12 @@ class Controller:
     def admit(self) -> int:
         return self.level
 
-    def decode_step(self, now: float) -> None:
+    def decode_step(self, now: float, budgets) -> None:
+        """A decode step ended at `now`; `budgets`: its rows' budgets."""
         if self.last_step is not None:
-            ms = (now - self.last_step) * 1e3
-            self.steps.append(ms)
-            self.recent.append(ms)
+            pred = self.model(budgets) if self.model is not None else 1.0
+            self.steps.append(((now - self.last_step) * 1e3, max(pred, 1e-9)))
+            self.fresh += 1
         self.last_step = now
 
     def first_token(self, seconds: float) -> None:
@@ -132,7 +169,7 @@ class Controller:
             return False
         self.seconds[self.level] += now - self.since
         self.level, self.since = level, now
-        self.steps.clear()
+        self.fresh = 0
         self.ttfts.clear()
         return True
 
@@ -141,7 +178,9 @@ class Controller:
         self._set(level, "the level of the rank that receives the requests", now)
 
     def observed(self) -> float | None:
-        return p90(self.recent) if self.recent else None
+        """The p90 TPOT of a stream over the steps kept (ms), whatever the level (idle: the last one)."""
+        seen = stream_p90(self.steps)
+        return self.last_seen if seen is None else seen[1]
 
     def tick(self, now: float, running: list[int], waiting: int, max_running: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
@@ -149,22 +188,23 @@ class Controller:
         if self.model is None:
             return False
         if n == 0:
+            if self.steps:  # the load went; what it measured says nothing about the next
+                self.last_seen = self.observed()
+                self.steps.clear()
             return self._set(0, "idle", now)
         if now - self.last_tick < self.target.period_s:
             return False
         self.last_tick = now
-        if len(self.steps) < MIN_SAMPLES:
+        if len(self.steps) < MIN_SAMPLES or self.fresh < MIN_SAMPLES:
             return self._set(self.level, "measuring", now)
         t, c = self.target, self.level
-        seen = p90(self.steps)
-        self.steps.clear()
+        scale, seen = stream_p90(self.steps)
         B = max(1, min(n, max_running or n))
-        scale = seen / self.model(running or [self.budgets[c]])
         est = [scale * self.model([k] * B) for k in self.budgets]
         ttft = p90(self.ttfts) if self.ttfts else None
         ttft_over = t.ttft_ms is not None and ttft is not None and ttft > t.ttft_ms
         ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
-        load = f"p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued"
+        load = f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued"
         if est[c] > t.tpot_ms or ttft_over:
             lo = c + 1 if ttft_over else c
             fits = [j for j in range(lo, self.top + 1) if est[j] <= t.tpot_ms]
@@ -193,4 +233,5 @@ class Controller:
         return (f"elastic level {self.level}/{self.top} (skips at most {self.budgets[self.level]} of "
                 f"{self.budgets[-1]} routed layers): {self.reason}; target TPOT {self.target.tpot_ms:g} ms"
                 + (f", TTFT {self.target.ttft_ms:g} ms" if self.target.ttft_ms else "")
-                + (f"; observed p90 TPOT {seen:.1f} ms" if seen is not None else "") + f"; time per level {spent}")
+                + (f"; observed stream p90 TPOT {seen:.1f} ms" if seen is not None else "")
+                + f"; time per level {spent}")

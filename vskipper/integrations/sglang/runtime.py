@@ -145,7 +145,7 @@ class PrometheusExport:
             self.gauges = {name: gauge(name, doc) for name, doc in (
                 ("level", "Elastic depth: the level requests are admitted at now (0 = the base model's function)"),
                 ("target_tpot_ms", "Elastic depth: the TPOT target (ms)"),
-                ("p90_tpot_ms", "Elastic depth: p90 of the recent decode step times (ms)"))}
+                ("p90_tpot_ms", "Elastic depth: p90 TPOT of a stream over the recent decode steps (ms)"))}
             self.seconds = Counter("vskipper_elastic_seconds", "Elastic depth: seconds spent at each level", ["level"])
             self.tokens = Counter("vskipper_elastic_tokens", "Elastic depth: tokens served with each level's cap",
                                   ["level"])
