@@ -198,6 +198,44 @@ def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 1000
 
 
+def test_ramp_pools_its_rounds_in_random_order_and_sums_route_counts(monkeypatch):
+    """ramp: every round offers every step to every server, steps and servers shuffled per round, the
+    same requests to every server within a round; a step's p90 is over the requests of all its rounds,
+    each round's own p90 listed; skip fraction and tokens per level from the summed counters."""
+    from types import SimpleNamespace
+
+    import benchmarks.serving.elastic_ramp as er
+
+    calls, counters = [], {"up": [0.0, 0.0], "el": [0.0, 0.0]}
+
+    def measure(client, url, rows, rate, seed):
+        calls.append((url, rate, seed))
+        r = sum(1 for u, _, _ in calls if u == url)  # this server's r-th run
+        if url == "el":
+            counters["el"][0] += 30.0
+            counters["el"][1] += 10.0 * r
+        tpot = [0.010 * r] * 9 + [0.100 * r]
+        return {"tpot_p90_ms": 1e3 * er.quantile(tpot, 0.9), "tpot_s": tpot, "ttft_s": [0.5] * 10, "tok_s": 6.0 * r,
+                "failed": 0, "texts": ["zzzz" if url == "el" and r == 2 else "abcd"] * 10}
+
+    monkeypatch.setattr(er, "measure", measure)
+    monkeypatch.setattr(er, "route_counts", lambda url: tuple(counters[url]))
+    monkeypatch.setattr(er, "level_tokens", lambda url: {"0": counters[url][0], "4": counters[url][1]})
+    client = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda t: [ord(c) for c in t]))
+    rows_for = lambda rate, seed: [seed] * 10  # noqa: E731
+    done = er.ramp(client, {"upstream": SimpleNamespace(url="up"), "elastic": SimpleNamespace(url="el")},
+                   (0.5,), 2.0, rows_for, probes=2, seed=0, rounds=2)
+    assert [(u, s) for u, _, s in calls] == [(calls[0][0], 10), (calls[1][0], 10), (calls[2][0], 1010),
+                                             (calls[3][0], 1010)] and {calls[0][0], calls[1][0]} == {"up", "el"}
+    (step,) = done
+    assert step["requests"] == 20 and step["rounds"] == 2
+    el = step["systems"]["elastic"]
+    assert el["round_p90_ms"] == pytest.approx([10.0, 20.0])  # each round: 9 of 10 requests at 10 r ms
+    assert el["tpot_p90_ms"] == pytest.approx(20.0) and el["tpot_p50_ms"] == pytest.approx(20.0)  # pooled
+    assert el["skip"] == pytest.approx(30 / 90) and el["levels"] == "0:67% 4:33%" and el["tok_s"] == 9.0
+    assert el["agreement"] == pytest.approx(0.5) and step["systems"]["upstream"]["agreement"] is None
+
+
 def test_ramp_search_needs_two_misses_to_stop_and_reports_every_measurement():
     """find_rate: a rate whose p90 TPOT misses the target once and meets it on the second try counts as
     met; the search ends at the first rate that misses twice; R is the last rate met."""

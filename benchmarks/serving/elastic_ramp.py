@@ -13,13 +13,15 @@
    FlexiDepth skipper) vskipper with the skipper alone ("fixed") and vskipper with elastic depth to
    the target ("elastic"). Elastic servers price their levels by the cost calibration, measured here
    first if this CPU has none.
-3. Each step offers `STEPS` x R req/s (seeded Poisson arrivals, pinned output lengths) to every server
-   in turn (the order rotates per step), for `--step-seconds` of arrivals: max(`--requests`, rate x
-   seconds) requests. (A fixed count at every step would keep the lowest step's arrivals going 6x as
-   long as the highest's: the same requests at 0.25x R take four times R's duration.) Per step and system: p50/p90 TPOT
-   and TTFT, output tok/s, the skip fraction of routed-layer work (the servers' route counters on
-   /metrics, before and after the step) and greedy agreement with upstream on a fixed probe subset
-   (the first `--probes` requests of every step are the same prompts).
+3. `--rounds` rounds over the steps; in each, the steps in a random order and, per step, the servers in a
+   random order (seeded). A step offers `STEPS` x R req/s (seeded Poisson arrivals, pinned output
+   lengths; the same requests to every server in a round, new ones in the next) for `--step-seconds` of
+   arrivals: max(`--requests`, rate x seconds) requests. (A fixed count at every step would keep the
+   lowest step's arrivals going 6x as long as the highest's.) Per step and system, over the requests of
+   all its rounds (one 30 s step's p90 moved by 20-30% between runs): p50/p90 TPOT and TTFT, output
+   tok/s, the skip fraction of routed-layer work (the servers' route counters on /metrics, before and
+   after each run), tokens per elastic level, greedy agreement with upstream on a fixed probe subset
+   (the first `--probes` requests of every step are the same prompts), and each round's own p90.
 4. A table per skipper, results.json, a figure (p90 TPOT and skip fraction against offered load, the
    target drawn) and the page docs/results/elastic-ramp.md.
 `--smoke`: tiny sizes, RandomSkip only (a check that the script runs, not a measurement).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import re
 from pathlib import Path
 
@@ -57,7 +60,26 @@ def measure(client, url: str, rows: list, rate: float, seed: int) -> dict:
     tpot = [(e2e - ttft) / max(1, n - 1) for ttft, e2e, n in ok]
     return {"tpot_p50_ms": quantile(tpot, 0.5) * 1e3, "tpot_p90_ms": quantile(tpot, 0.9) * 1e3,
             "ttft_p50_s": quantile([t for t, _, _ in ok], 0.5), "ttft_p90_s": quantile([t for t, _, _ in ok], 0.9),
-            "tok_s": res.output_throughput, "failed": len(rows) - len(ok), "texts": list(res.texts)}
+            "tok_s": res.output_throughput, "failed": len(rows) - len(ok), "texts": list(res.texts),
+            "tpot_s": tpot, "ttft_s": [t for t, _, _ in ok]}
+
+
+def pool(rounds: list[dict], probes: int) -> dict:
+    """One step's figures for one system from its rounds: quantiles over every request of every round,
+    output tok/s averaged, failures, route counts and tokens per level summed; `texts` the probes'."""
+    tpot = [x for m in rounds for x in m["tpot_s"]]
+    ttft = [x for m in rounds for x in m["ttft_s"]]
+    levels: dict[str, float] = {}
+    for m in rounds:
+        for k, v in m["levels"].items():
+            levels[k] = levels.get(k, 0.0) + v
+    run, project = (sum(m["routes"][i] for m in rounds) for i in (0, 1))
+    return {"tpot_p50_ms": quantile(tpot, 0.5) * 1e3, "tpot_p90_ms": quantile(tpot, 0.9) * 1e3,
+            "ttft_p50_s": quantile(ttft, 0.5), "ttft_p90_s": quantile(ttft, 0.9),
+            "tok_s": sum(m["tok_s"] for m in rounds) / len(rounds), "failed": sum(m["failed"] for m in rounds),
+            "skip": project / (run + project) if run + project else None, "levels": shares(levels, {}),
+            "round_p90_ms": [m["tpot_p90_ms"] for m in rounds],
+            "texts": [t for m in rounds for t in m["texts"][:probes]]}
 
 
 def metric(url: str, name: str, label: str) -> dict[str, float]:
@@ -139,26 +161,39 @@ def systems_for(model: str, name: str, spec: str, target_ms: float, level0: str 
     return out
 
 
-def ramp(client, servers: dict, steps, rate: float, rows_for, probes: int, seed: int) -> list[dict]:
-    """Every step offered to every server in turn (the order rotating per step): the step's figures per
-    system, and each system's greedy agreement with upstream on the step's first `probes` requests."""
-    names, done = list(servers), []
-    for i, f in enumerate(steps):
-        rows = rows_for(f * rate, seed + 10 + i)
-        step = {"multiple": f, "rate": f * rate, "requests": len(rows), "systems": {}}
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            srv = servers[name]
-            before, levels = route_counts(srv.url), level_tokens(srv.url)
-            m = measure(client, srv.url, rows, f * rate, seed + 10 + i)
-            run, project = (a - b for a, b in zip(route_counts(srv.url), before))
-            m["skip"] = project / (run + project) if run + project else None
-            m["levels"] = shares(level_tokens(srv.url), levels)
-            step["systems"][name] = m
-            log(f"{f:g}x {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms, skip {m['skip']}")
-        ref = [client.tokenizer.encode(t) for t in step["systems"]["upstream"]["texts"][:probes]]
+def ramp(client, servers: dict, steps, rate: float, rows_for, probes: int, seed: int, rounds: int = 1) -> list[dict]:
+    """`rounds` rounds over the steps, each round's steps in a random order and each step's servers in a
+    random order (seeded), every server offered the same requests at the same arrival times in a round
+    (new ones in the next); per step and system the rounds' requests pooled (`pool`), and greedy agreement
+    with upstream on the first `probes` requests of every round."""
+    rng = random.Random(seed)
+    names = list(servers)
+    got: dict[float, dict[str, list]] = {f: {name: [] for name in names} for f in steps}
+    count = dict.fromkeys(steps, 0)
+    for r in range(rounds):
+        for f in rng.sample(list(steps), len(steps)):
+            s = seed + 10 + steps.index(f) + 1000 * r
+            rows = rows_for(f * rate, s)
+            count[f] += len(rows)
+            for name in rng.sample(names, len(names)):
+                srv = servers[name]
+                before, levels = route_counts(srv.url), level_tokens(srv.url)
+                m = measure(client, srv.url, rows, f * rate, s)
+                m["routes"] = [a - b for a, b in zip(route_counts(srv.url), before)]
+                m["levels"] = {k: v - levels.get(k, 0.0) for k, v in level_tokens(srv.url).items()}
+                got[f][name].append(m)
+                run, project = m["routes"]
+                skip = f"{project / (run + project):.2f}" if run + project else "-"
+                log(f"round {r + 1}/{rounds}, {f:g}x R, {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms, skip {skip}"
+                    + (f", levels {shares(m['levels'], {})}" if shares(m["levels"], {}) else ""))
+    done = []
+    for f in steps:
+        step = {"multiple": f, "rate": f * rate, "requests": count[f], "rounds": rounds,
+                "systems": {name: pool(got[f][name], probes) for name in names}}
+        ref = [client.tokenizer.encode(t) for t in step["systems"]["upstream"]["texts"]]
         for name in names:
             m = step["systems"][name]
-            gen = [client.tokenizer.encode(t) for t in m.pop("texts")[:probes]]
+            gen = [client.tokenizer.encode(t) for t in m.pop("texts")]
             m["agreement"] = prefix_share(gen, ref) if name != "upstream" else None
         done.append(step)
     return done
@@ -175,9 +210,10 @@ def table(steps: list[dict], names: list[str], target_ms: float) -> str:
                          f"{m['ttft_p50_s']:.2f}", f"{m['ttft_p90_s']:.2f}", f"{m['tok_s']:.1f}",
                          "-" if m.get("skip") is None else f"{m['skip']:.3f}",
                          "-" if m.get("agreement") is None else f"{m['agreement']:.2f}", m.get("levels") or "-",
-                         m["failed"]])
+                         m["failed"], "/".join(f"{p:.0f}" for p in m.get("round_p90_ms", [])) or "-"])
     return R.table(["offered load (x R)", "system", "TPOT p50 ms", "TPOT p90 ms", "TTFT p50 s", "TTFT p90 s",
-                    "output tok/s", "skip fraction", "agreement", "tokens per level", "failed"], rows)
+                    "output tok/s", "skip fraction", "agreement", "tokens per level", "failed",
+                    "p90 TPOT per round ms"], rows)
 
 
 def plot(steps: list[dict], names: list[str], target_ms: float, path: Path) -> None:
@@ -216,10 +252,14 @@ def main(argv=None) -> None:
                     help="which skippers: random (RandomSkip 0.5), trained (the shipped one), or both")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--probes", type=int, default=8, help="fixed prompts at the head of every step (agreement)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds over the steps, in random order; each step's figures pool its rounds' requests")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, RandomSkip only: a check that it runs")
     R.add_arguments(ap, "elastic-ramp")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give at least 1")
     from benchmarks.serving.client import Client
     from vskipper.first_start import ensure_calibration
     from vskipper.models.checkpoint import read_config
@@ -233,7 +273,7 @@ def main(argv=None) -> None:
     steps, search = STEPS, SEARCH
     if args.smoke:
         args.requests, args.max_new_tokens, args.probes, steps, search, trained = 4, 8, 2, (0.5, 1.5), (0.3, 0.6), None
-        args.step_seconds = 1.0
+        args.step_seconds, args.rounds = 1.0, 2
     n = read_config(args.model)["num_hidden_layers"]
     wanted = args.skippers.split(",")
     if not wanted or not set(wanted) <= {"random", "trained"}:
@@ -278,7 +318,7 @@ def main(argv=None) -> None:
         servers = start_all(systems, args.out / "logs", threads=SERVER_THREADS, log_level="info")
         try:
             runs[name] = ramp(client, servers, steps, rate, lambda r, seed: rows_of(seed, count(r)), args.probes,
-                              args.seed)
+                              args.seed, args.rounds)
         finally:
             for srv in servers.values():
                 stop(srv)
@@ -286,7 +326,8 @@ def main(argv=None) -> None:
            if args.tpot_ms == "auto" else "given")
     md = (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, upstream's highest rate meeting it "
           f"(search, req/s: p90 TPOT ms: {', '.join(f'{r:.3f}: {p:.0f}' for r, p in curve)}); "
-          f"{args.step_seconds:g} s of arrivals per step (at least {args.requests} requests), "
+          f"{args.rounds} rounds, steps and servers in random order, each step {args.step_seconds:g} s of arrivals "
+          f"(at least {args.requests} requests); a step's figures pool its rounds' requests; "
           f"{args.max_new_tokens} output tokens, the first {args.probes} the "
           f"same prompts every step (agreement: greedy tokens reproduced before the first divergence from "
           f"upstream's). * = p90 TPOT over the target. One skipper at a time, beside its own upstream.")
