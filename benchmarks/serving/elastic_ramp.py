@@ -311,7 +311,17 @@ def main(argv=None) -> None:
                                 search, strict=not args.smoke)
     finally:
         stop(up)
-    # One skipper at a time, each beside its own upstream: six SGLang servers at once outgrow 24 GB.
+    how = (f"{MARGIN:g}x upstream's median p90 TPOT of 3 runs at {KNEE:g}x its saturated capacity of {cap:.3f} req/s"
+           if args.tpot_ms == "auto" else "given")
+    head = (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, upstream's highest rate meeting it "
+            f"(search, req/s: p90 TPOT ms: {', '.join(f'{r:.3f}: {p:.0f}' for r, p in curve)}); "
+            f"{args.rounds} rounds, steps and servers in random order, each step {args.step_seconds:g} s of arrivals "
+            f"(at least {args.requests} requests); a step's figures pool its rounds' requests; "
+            f"{args.max_new_tokens} output tokens, the first {args.probes} the "
+            f"same prompts every step (agreement: greedy tokens reproduced before the first divergence from "
+            f"upstream's). * = p90 TPOT over the target. One skipper at a time, beside its own upstream.")
+    # One skipper at a time, each beside its own upstream: six SGLang servers at once outgrew 24 GB.
+    # The page is written after each skipper, so a run cut short keeps what it measured.
     runs, level0 = {}, f"random:rate=0,layers={layers},seed=0"
     for k, (name, spec) in enumerate(skippers.items()):
         systems = systems_for(args.model, name, spec, target, level0 if k == 0 else None)
@@ -322,23 +332,15 @@ def main(argv=None) -> None:
         finally:
             for srv in servers.values():
                 stop(srv)
-    how = (f"{MARGIN:g}x upstream's median p90 TPOT of 3 runs at {KNEE:g}x its saturated capacity of {cap:.3f} req/s"
-           if args.tpot_ms == "auto" else "given")
-    md = (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, upstream's highest rate meeting it "
-          f"(search, req/s: p90 TPOT ms: {', '.join(f'{r:.3f}: {p:.0f}' for r, p in curve)}); "
-          f"{args.rounds} rounds, steps and servers in random order, each step {args.step_seconds:g} s of arrivals "
-          f"(at least {args.requests} requests); a step's figures pool its rounds' requests; "
-          f"{args.max_new_tokens} output tokens, the first {args.probes} the "
-          f"same prompts every step (agreement: greedy tokens reproduced before the first divergence from "
-          f"upstream's). * = p90 TPOT over the target. One skipper at a time, beside its own upstream.")
-    for k, (name, done) in enumerate(runs.items()):
-        png = "elastic-ramp.png" if k == 0 else f"elastic-ramp-{name}.png"
-        names = list(done[0]["systems"])
-        md += f"\n\n## {name} (figure: {png})\n\n" + table(done, names, target)
-        plot(done, names, target, args.out / png)
-    print(md)
-    R.write_results("elastic-ramp", {"target_ms": target, "capacity": cap, "rate": rate, "search": curve,
-                                     "runs": runs, "smoke": args.smoke}, md, args.out, R.docs_dir(args))
+        md = head
+        for j, (skipper, done) in enumerate(runs.items()):
+            png = "elastic-ramp.png" if j == 0 else f"elastic-ramp-{skipper}.png"
+            names = list(done[0]["systems"])
+            md += f"\n\n## {skipper} (figure: {png})\n\n" + table(done, names, target)
+            plot(done, names, target, args.out / png)
+        print(md)
+        R.write_results("elastic-ramp", {"target_ms": target, "capacity": cap, "rate": rate, "search": curve,
+                                         "runs": runs, "smoke": args.smoke}, md, args.out, R.docs_dir(args))
 
 
 def _cuda() -> bool:
