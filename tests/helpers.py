@@ -14,10 +14,12 @@ from vskipper.skippers.base import sanitize_gate
 from tiny import VOCAB
 
 # One tolerance table per dtype (atol, rtol). fp32: the reference recomputes attention by hand
-# in a different reduction order, so last-bit noise accumulates over a few layers.
+# in a different reduction order, so last-bit noise accumulates over a few layers. fp16: a kernel that
+# accumulates in fp32 and rounds once, against a reference that rounds each step to fp16, can each sit
+# ~2 ulp from the exact value on opposite sides (a SwiGLU row: 0.0032 either way at |y| ~ 3), so 4 ulp.
 TOL = {
     torch.float32: (2e-5, 2e-4),
-    torch.float16: (2e-3, 2e-3),
+    torch.float16: (4e-3, 4e-3),
     torch.bfloat16: (2e-2, 2e-2),
 }
 NEW_TOKENS = 24
