@@ -62,27 +62,28 @@ def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
     c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
     assert c.admit() == 0 and c.reason == "measuring"
     # at level 0, 8 running and 8 queued (the server runs 8 at once): steps at 12 ms miss 10 ms
-    now = run_steps(c, 0.0, MIN_SAMPLES - 1, 12.0)
-    assert not c.tick(now + 1, [0] * 8, 8, 8) and c.reason == "measuring"  # too few step times yet
+    now = run_steps(c, 0.0, STREAM - 1, 12.0)
+    assert not c.tick(now + 1, [0] * 8, 8) and c.reason == "measuring"  # fewer than a stream's length of steps
     now = run_steps(c, now + 1, 2, 12.0)
-    assert c.tick(now + 1, [0] * 8, 8, 8)
+    assert c.tick(now + 1, [0] * 8, 8)
     want = next(j for j, k in enumerate(ladder(L)) if 12.0 * m([k] * 8) / m([0] * 8) <= 10.0)
     assert c.level == want > 0 and "over target" in c.reason, c.reason  # the lowest level predicted to fit
     # the new level's steps just under the target: inside the hysteresis band, it holds
     k = ladder(L)[want]
     now = run_steps(c, now + 1, MIN_SAMPLES - 1, 9.9, [k] * 8)
-    assert not c.tick(now + 1, [k] * 8, 8, 8) and c.reason == "measuring"  # too few steps at the new level
+    assert not c.tick(now + 1, [k] * 8, 8) and c.reason == "measuring"  # too few steps at the new level
     now = run_steps(c, now + 1, 2, 9.9, [k] * 8)
-    assert not c.tick(now + 1, [k] * 8, 8, 8) and c.level == want and "holding" in c.reason, c.reason
-    # the load goes down to 2 running: level 0 is predicted well under the target, so it falls
-    now = run_steps(c, now + 1, STREAM, 3.0, [k] * 2)
-    assert c.tick(now + 1, [k] * 2, 0, 8) and c.level == 0, c.reason
+    assert not c.tick(now + 1, [k] * 8, 8) and c.level == want and "holding" in c.reason, c.reason
+    # the load goes down to 2 running: once the steps kept are light, level 0 is predicted well under the
+    # target, so it falls
+    now = run_steps(c, now + 1, HISTORY, 3.0, [k] * 2)
+    assert c.tick(now + 1, [k] * 2, 0) and c.level == 0, c.reason
     assert f"{DOWN:g} x target" in c.reason
     # idle: level 0 at once; time per level adds up
     c2 = Controller(Target(tpot_ms=1e-3, period_s=0.5), ladder(L), m, now=0.0)
-    now = run_steps(c2, 0.0, MIN_SAMPLES + 1, 5.0)
-    assert c2.tick(now + 1, [0] * 8, 4, 8) and c2.level == L  # nothing fits: the fastest level
-    assert c2.tick(now + 2, [], 0, 8) and c2.level == 0 and c2.reason == "idle"
+    now = run_steps(c2, 0.0, STREAM, 5.0)
+    assert c2.tick(now + 1, [0] * 8, 4) and c2.level == L  # nothing fits: the fastest level
+    assert c2.tick(now + 2, [], 0) and c2.level == 0 and c2.reason == "idle"
     assert sum(c2.time_per_level(now + 3)) == pytest.approx(now + 3)
     assert not c2.steps and c2.observed() == pytest.approx(5.0)  # idle drops the steps, reports the last
 
@@ -92,40 +93,52 @@ def test_rule_judges_a_streams_length_of_steps_so_one_prefill_does_not_raise_it(
     decode steps) every STREAM steps: a stream's TPOT stays under the target, so the level stays 0; the same
     prefill every 4 steps makes streams miss it, and the level rises."""
     m = step_model()
-    c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
+    c = Controller(Target(tpot_ms=10.0, period_s=0.1), ladder(L), m, now=0.0)
     now = run_steps(c, 0.0, 0, 6.0)
     for i in range(HISTORY):
         now += (60.0 if i % STREAM == 5 else 6.0) / 1e3
         c.decode_step(now, [0] * 8)
-        c.tick(now, [0] * 8, 2, 8)
+        c.tick(now, [0] * 8, 2)
         assert c.level == 0, (i, c.reason)
     assert "holding" in c.reason and 6.0 < c.observed() < 10.0
     for i in range(STREAM):
         now += (60.0 if i % 4 == 0 else 6.0) / 1e3
         c.decode_step(now, [0] * 8)
-    assert c.tick(now + 1, [0] * 8, 2, 8) and c.level > 0 and "over target" in c.reason, c.reason
+    assert c.tick(now + 1, [0] * 8, 2) and c.level > 0 and "over target" in c.reason, c.reason
 
 
-def test_stream_p90_is_the_p90_of_the_means_of_stream_long_runs_of_steps():
-    steps = [(float(i), 2.0) for i in range(1, 11)]  # measured 1..10 ms, predicted 2 ms each
-    ratio, mean = stream_p90(steps, stream=4)  # runs: means 2.5, 3.5, ..., 8.5 (7 of them)
-    assert mean == pytest.approx(8.5) and ratio == pytest.approx(8.5 / 2)  # the 7th of 7
-    assert stream_p90(steps[:3], stream=4) == pytest.approx((1.0, 2.0))  # fewer steps than a stream: all of them
+def test_stream_p90_is_the_p90_of_the_means_of_stream_long_runs():
+    xs = [float(i) for i in range(1, 11)]
+    assert stream_p90(xs, stream=4) == pytest.approx(8.5)  # runs' means 2.5 ... 8.5: the 7th of 7
+    assert stream_p90(xs[:3], stream=4) == pytest.approx(2.0)  # fewer values than a stream: all of them
     assert stream_p90([]) is None
+
+
+def test_rule_prices_the_batches_the_steps_ran_not_the_running_count_of_the_moment():
+    """Steps of 4 rows at 8 ms meet a 10 ms target: the level stays 0 whatever the running count at the
+    tick (an arrival, a burst); steps of 12 rows at 13 ms miss it, and it rises to the lowest level whose
+    price for those 12-row steps fits."""
+    m = step_model()
+    c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
+    now = run_steps(c, 0.0, HISTORY, 8.0, [0] * 4)
+    assert not c.tick(now + 1, [0] * 40, 30) and c.level == 0 and "holding" in c.reason, c.reason
+    now = run_steps(c, now + 1, HISTORY, 13.0, [0] * 12)
+    assert c.tick(now + 1, [0] * 2, 0)
+    assert c.level == next(j for j, k in enumerate(ladder(L)) if 13.0 * m([k] * 12) / m([0] * 12) <= 10.0), c.reason
 
 
 def test_rule_ttft_target_raises_at_least_one_level():
     m = step_model()
     c = Controller(Target(tpot_ms=100.0, ttft_ms=50.0, period_s=0.1), ladder(L), m, now=0.0)
-    now = run_steps(c, 0.0, MIN_SAMPLES + 1, 2.0)
+    now = run_steps(c, 0.0, STREAM, 2.0)
     c.first_token(0.2)  # 200 ms
-    assert c.tick(now + 1, [0] * 4, 20, 8) and c.level == 1 and "TTFT" in c.reason
+    assert c.tick(now + 1, [0] * 4, 20) and c.level == 1 and "TTFT" in c.reason
 
 
 def test_without_a_calibration_it_stays_at_level_0_and_says_so():
     c = Controller(Target(tpot_ms=1e-3), ladder(L), None, now=0.0)
     now = run_steps(c, 0.0, 20, 50.0)
-    assert not c.tick(now + 5, [0] * 8, 100, 8) and c.level == 0
+    assert not c.tick(now + 5, [0] * 8, 100) and c.level == 0
     assert "no cost calibration" in c.reason and "no cost calibration" in c.describe(now)
 
 

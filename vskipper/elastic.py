@@ -7,24 +7,26 @@ last token; its own `vskipper` field still caps it (the stricter wins). The leve
 layers as the request's budget, through the same per-row budget buffer as the request field.
 
 The rule, once per control period (`Target.period_s`), from what the scheduler knows:
-    n      = running + queued requests;  B = min(n, the most the server runs at once)
-    step   = the time between two decode steps (what a running stream's gaps are, a prefill run between
-             them included), kept with the calibration's prediction of that step for its rows' budgets
-             (StepModel: it says how a step scales with the batch and its budgets)
-    scale  = the 90th percentile, over every run of STREAM consecutive steps among the last HISTORY, of
-             measured / predicted time: a stream's TPOT is the mean of its gaps, so this is the p90 TPOT
-             a stream would see, per unit of predicted step (steps at any level count alike)
-    est_j  = scale * model([k_j] * B), the p90 TPOT predicted at level j
+    step   = the time between two decode steps: what a running stream sees between two tokens (a
+             prefill run between them included); the last HISTORY steps are kept, at whatever level
+    model  = the calibration's prediction of one decode step for a batch of per-row budgets (StepModel)
+    step_j = step * model([k_j] * T) / model(its rows' budgets), T its rows: the same step had its rows
+             run at level j (the calibration says how a step scales with budgets; the measured step
+             says what it costs here, batch size, prefills and host included)
+    est_j  = the 90th percentile, over every run of STREAM consecutive steps kept, of their mean step_j:
+             a stream's TPOT is the mean of its gaps, so est_j is the p90 TPOT of the recent streams
+             had they run at level j (est_c, at the level c of the steps, is simply what they saw)
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
-    n == 0                            -> level 0 (idle; the steps kept are dropped)
-    fewer than MIN_SAMPLES steps kept, or since the level changed -> keep (measuring)
+    no running or queued request      -> level 0 (idle; the steps kept are dropped)
+    fewer than STREAM steps kept, or MIN_SAMPLES since the level changed -> keep (measuring)
     over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot (and, for
           TTFT, at least c + 1); if none: the level with the least est_j (the top, unless it does not help)
     under: some level below c has est_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft)
           -> the lowest such level (the gap between 1 and DOWN is the hysteresis)
     else keep.
-A step is judged over a stream's length, not alone: one step carrying a new request's prefill is several
-times a decode step, and a rule that read a few steps' p90 swung between level 0 and the top on it.
+Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
+request's prefill is several times a decode step, and the running count moves with every arrival, so a
+rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
 Plain host arithmetic on a few hundred numbers per period; nothing runs on the device."""
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ from dataclasses import dataclass
 from vskipper.control import RequestControl
 
 LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
-MIN_SAMPLES = 8  # decode steps needed (kept, and since the level changed) before the rule decides
-STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
-HISTORY = 4 * STREAM  # decode steps kept
+MIN_SAMPLES = 8  # decode steps at a new level before the rule decides again
+STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length); needed before deciding
+HISTORY = 2 * STREAM  # decode steps kept
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a lower level must be predicted within this share of the target
 
@@ -110,23 +112,19 @@ class StepModel:
         return ms
 
 
-def stream_p90(steps, stream: int = STREAM) -> tuple[float, float] | None:
-    """(p90 of measured / predicted, p90 of the mean measured step) over every run of `stream`
-    consecutive (measured, predicted) steps (all of them, when fewer are kept)."""
-    steps = list(steps)
-    if not steps:
+def stream_p90(xs, stream: int = STREAM) -> float | None:
+    """The 90th percentile, over every run of `stream` consecutive values (all of them, when fewer are
+    kept), of their mean."""
+    xs = list(xs)
+    if not xs:
         return None
-    w = min(stream, len(steps))
-    ms = pred = 0.0
-    ratios, means = [], []
-    for i, (m, p) in enumerate(steps):
-        ms, pred = ms + m, pred + p
-        if i >= w:
-            ms, pred = ms - steps[i - w][0], pred - steps[i - w][1]
+    w = min(stream, len(xs))
+    total, means = 0.0, []
+    for i, x in enumerate(xs):
+        total += x - (xs[i - w] if i >= w else 0.0)
         if i >= w - 1:
-            ratios.append(ms / pred)
-            means.append(ms / w)
-    return p90(ratios), p90(means)
+            means.append(total / w)
+    return p90(means)
 
 
 class Controller:
@@ -138,7 +136,7 @@ class Controller:
         self.top = len(budgets) - 1
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
-        self.steps: deque[tuple[float, float]] = deque(maxlen=HISTORY)  # (ms, predicted ms), any level
+        self.steps: deque[tuple[float, tuple[float, ...]]] = deque(maxlen=HISTORY)  # (ms, its step_j / step)
         self.fresh = 0  # decode steps since the level changed
         self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
         self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
@@ -152,8 +150,12 @@ class Controller:
     def decode_step(self, now: float, budgets) -> None:
         """A decode step ended at `now`; `budgets`: its rows' budgets."""
         if self.last_step is not None:
-            pred = self.model(budgets) if self.model is not None else 1.0
-            self.steps.append(((now - self.last_step) * 1e3, max(pred, 1e-9)))
+            if self.model is not None:
+                T, pred = len(budgets), max(self.model(budgets), 1e-9)
+                scale = tuple(self.model([k] * T) / pred for k in self.budgets)
+            else:
+                scale = (1.0,) * len(self.budgets)
+            self.steps.append(((now - self.last_step) * 1e3, scale))
             self.fresh += 1
         self.last_step = now
 
@@ -179,10 +181,10 @@ class Controller:
 
     def observed(self) -> float | None:
         """The p90 TPOT of a stream over the steps kept (ms), whatever the level (idle: the last one)."""
-        seen = stream_p90(self.steps)
-        return self.last_seen if seen is None else seen[1]
+        seen = stream_p90(ms for ms, _ in self.steps)
+        return self.last_seen if seen is None else seen
 
-    def tick(self, now: float, running: list[int], waiting: int, max_running: int) -> bool:
+    def tick(self, now: float, running: list[int], waiting: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
         n = len(running) + waiting
         if self.model is None:
@@ -195,16 +197,16 @@ class Controller:
         if now - self.last_tick < self.target.period_s:
             return False
         self.last_tick = now
-        if len(self.steps) < MIN_SAMPLES or self.fresh < MIN_SAMPLES:
+        if len(self.steps) < STREAM or self.fresh < MIN_SAMPLES:
             return self._set(self.level, "measuring", now)
         t, c = self.target, self.level
-        scale, seen = stream_p90(self.steps)
-        B = max(1, min(n, max_running or n))
-        est = [scale * self.model([k] * B) for k in self.budgets]
+        seen = self.observed()
+        est = [stream_p90(ms * f[j] for ms, f in self.steps) for j in range(self.top + 1)]
         ttft = p90(self.ttfts) if self.ttfts else None
         ttft_over = t.ttft_ms is not None and ttft is not None and ttft > t.ttft_ms
         ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
-        load = f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued"
+        load = (f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued; predicted per level "
+                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms")
         if est[c] > t.tpot_ms or ttft_over:
             lo = c + 1 if ttft_over else c
             fits = [j for j in range(lo, self.top + 1) if est[j] <= t.tpot_ms]

@@ -126,7 +126,7 @@ def on_new_request(req, scheduler, *args, **kwargs):
 def _tick(e: Elastic, scheduler, now: float) -> None:
     running = [e.budgets.budget(r) for r in getattr(scheduler.running_batch, "reqs", None) or []]
     before = e.controller.level
-    if e.controller.tick(now, running, len(scheduler.waiting_queue), scheduler.max_running_requests):
+    if e.controller.tick(now, running, len(scheduler.waiting_queue)):
         logger.info("vskipper: elastic depth level %d -> %d: %s", before, e.controller.level, e.controller.reason)
 
 
