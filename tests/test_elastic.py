@@ -12,9 +12,9 @@ import torch
 
 from vskipper.elastic import (
     DOWN,
+    DWELL,
     HISTORY,
     LADDER,
-    MIN_SAMPLES,
     STREAM,
     Controller,
     StepModel,
@@ -70,19 +70,27 @@ def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
     assert c.level == want > 0 and "over target" in c.reason, c.reason  # the lowest level predicted to fit
     # the new level's steps just under the target: inside the hysteresis band, it holds
     k = ladder(L)[want]
-    now = run_steps(c, now + 1, MIN_SAMPLES - 1, 9.9, [k] * 8)
+    now = run_steps(c, now + 1, DWELL - 1, 9.9, [k] * 8)
     assert not c.tick(now + 1, [k] * 8, 8) and c.reason == "measuring"  # too few steps at the new level
     now = run_steps(c, now + 1, 2, 9.9, [k] * 8)
     assert not c.tick(now + 1, [k] * 8, 8) and c.level == want and "holding" in c.reason, c.reason
-    # the load goes down to 2 running: once the steps kept are light, level 0 is predicted well under the
-    # target, so it falls
+    # the load goes down to 2 running: once the steps kept are light, the level below is predicted well
+    # under the target, so it falls, one level at a time
     now = run_steps(c, now + 1, HISTORY, 3.0, [k] * 2)
-    assert c.tick(now + 1, [k] * 2, 0) and c.level == 0, c.reason
+    assert c.tick(now + 1, [k] * 2, 0) and c.level == want - 1, c.reason
     assert f"{DOWN:g} x target" in c.reason
-    # idle: level 0 at once; time per level adds up
+    for _ in range(want - 1):
+        now = run_steps(c, now + 1, DWELL, 3.0, [ladder(L)[c.level]] * 2)
+        assert c.tick(now + 1, [k] * 2, 0)
+    assert c.level == 0
+    # a target nothing meets: one level per decision up to the top (the calibration sees no level that fits)
     c2 = Controller(Target(tpot_ms=1e-3, period_s=0.5), ladder(L), m, now=0.0)
     now = run_steps(c2, 0.0, STREAM, 5.0)
-    assert c2.tick(now + 1, [0] * 8, 4) and c2.level == L  # nothing fits: the fastest level
+    for j in range(1, L + 1):
+        assert c2.tick(now + 1, [0] * 8, 4) and c2.level == j, c2.reason
+        now = run_steps(c2, now + 1, DWELL, 5.0)
+    assert not c2.tick(now + 1, [0] * 8, 4) and c2.level == L
+    # idle: level 0 at once; time per level adds up
     assert c2.tick(now + 2, [], 0) and c2.level == 0 and c2.reason == "idle"
     assert sum(c2.time_per_level(now + 3)) == pytest.approx(now + 3)
     assert not c2.steps and c2.observed() == pytest.approx(5.0)  # idle drops the steps, reports the last
@@ -331,7 +339,7 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
             for _ in range(600):  # until the level has risen (at most 30 s)
                 await asyncio.sleep(0.05)
                 during.append(capfd.readouterr().err)
-                if "elastic depth level 0 -> 4" in "".join(during):
+                if "elastic depth level 3 -> 4" in "".join(during):
                     break
             log.extend(during)
             settings = [None, {"skip": False}, {"max_skip": 0.25}, None]
@@ -347,7 +355,8 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
     err = "".join(log)
     assert "elastic depth on: target TPOT 0.001 ms" in err, err[-3000:]
     assert idle == upstream[:4], "idle server: level 0 is the base model's function"
-    assert re.search(r"elastic depth level 0 -> 4: predicted TPOT [\d.]+ ms at level 0 over target", err), err[-3000:]
+    for j in range(4):  # one level at a time: the calibration sees no level meeting 1 us
+        assert re.search(rf"elastic depth level {j} -> {j + 1}: TPOT [\d.]+ ms at level {j} over", err), err[-3000:]
     assert kept == upstream[4], "the request admitted at level 0 changed depth under the load"
     skipped = reference_generate(base, sk, probes[0], NEW)[0][len(probes[0]):].tolist()
     levels = "\n".join(x for x in err.splitlines() if "elastic depth level" in x)

@@ -18,15 +18,18 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
              had they run at level j (est_c, at the level c of the steps, is simply what they saw)
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
     no running or queued request      -> level 0 (idle; the steps kept are dropped)
-    fewer than STREAM steps kept, or MIN_SAMPLES since the level changed -> keep (measuring)
-    over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot (and, for
-          TTFT, at least c + 1); if none: the level with the least est_j (the top, unless it does not help)
-    under: some level below c has est_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft)
-          -> the lowest such level (the gap between 1 and DOWN is the hysteresis)
+    fewer than STREAM steps kept, or DWELL since the level changed -> keep (measuring)
+    over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot; if the
+          calibration sees none, c + 1 (the measured steps then say whether that was enough)
+    under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
+          is the hysteresis; one level at a time, the measured steps judging each)
     else keep.
 Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
 request's prefill is several times a decode step, and the running count moves with every arrival, so a
 rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
+The calibration prices layers, not a server's whole step (attention over the context, the host), and on a
+CPU at small batches it prices skipping at almost nothing: where it cannot say how far to go, the rule
+moves one level and lets the measured steps judge.
 Plain host arithmetic on a few hundred numbers per period; nothing runs on the device."""
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from vskipper.control import RequestControl
 
 LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
-MIN_SAMPLES = 8  # decode steps at a new level before the rule decides again
+DWELL = 16  # decode steps at a new level before the rule decides again (its new streams begin to count)
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length); needed before deciding
 HISTORY = 2 * STREAM  # decode steps kept
 WINDOW = 64  # first-token times kept
@@ -197,7 +200,7 @@ class Controller:
         if now - self.last_tick < self.target.period_s:
             return False
         self.last_tick = now
-        if len(self.steps) < STREAM or self.fresh < MIN_SAMPLES:
+        if len(self.steps) < STREAM or self.fresh < DWELL:
             return self._set(self.level, "measuring", now)
         t, c = self.target, self.level
         seen = self.observed()
@@ -207,21 +210,15 @@ class Controller:
         ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
         load = (f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued; predicted per level "
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms")
-        if est[c] > t.tpot_ms or ttft_over:
-            lo = c + 1 if ttft_over else c
-            fits = [j for j in range(lo, self.top + 1) if est[j] <= t.tpot_ms]
-            if fits:
-                j = fits[0]
-            else:
-                j = min(range(self.top + 1), key=lambda i: (est[i], i))
-                j = max(j, min(lo, self.top))
+        if (est[c] > t.tpot_ms or ttft_over) and c < self.top:
+            fits = [j for j in range(c + 1, self.top + 1) if est[j] <= t.tpot_ms]
+            j = fits[0] if fits and not ttft_over else c + 1
             why = (f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms" if ttft_over else
-                   f"predicted TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms")
+                   f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms")
             return self._set(j, f"{why} ({load})", now)
-        lower = [j for j in range(c) if est[j] <= DOWN * t.tpot_ms]
-        if lower and ttft_under:
-            return self._set(lower[0], f"level {lower[0]} predicted at {est[lower[0]]:.1f} ms, within "
-                                       f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
+        if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
+            return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, within "
+                                    f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         return self._set(c, f"holding ({load})", now)
 
     def time_per_level(self, now: float) -> list[float]:
