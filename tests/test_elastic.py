@@ -5,6 +5,7 @@ was admitted at, the stricter of request field and level winning, and falling ag
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 
 import pytest
@@ -15,8 +16,10 @@ from vskipper.elastic import (
     DWELL,
     HISTORY,
     LADDER,
+    LEARN,
     STREAM,
     Controller,
+    Saving,
     StepModel,
     Target,
     ladder,
@@ -133,6 +136,52 @@ def test_rule_prices_the_batches_the_steps_ran_not_the_running_count_of_the_mome
     now = run_steps(c, now + 1, HISTORY, 13.0, [0] * 12)
     assert c.tick(now + 1, [0] * 2, 0)
     assert c.level == next(j for j, k in enumerate(ladder(L)) if 13.0 * m([k] * 12) / m([0] * 12) <= 10.0), c.reason
+
+
+def truth(budgets) -> float:
+    """A server whose steps cost 4 + T ms and save 0.25 ms per row and routed layer of budget."""
+    return 4.0 + len(budgets) - 0.25 * sum(budgets)
+
+
+def flat_model():
+    # dense body only: the calibration prices every level alike (as a CPU's does at small batches)
+    return StepModel(synthetic_calibration(), ("dense",), n_layers=6, n_routed=L, run_fraction=0.5)
+
+
+def test_saving_is_the_calibrations_until_several_depths_ran_then_the_measured_one():
+    sv = Saving(step_model(), L)
+    for T in (4, 8, 8, 12):
+        sv.add(truth([0] * T), [0] * T)
+    m = step_model()
+    prior = (1 - m([L] * 8) / m([0] * 8)) / L * (sum(ms for ms, _, _ in sv.steps) / 4) / 8
+    assert not sv.learned() and sv.fit() == pytest.approx(prior)  # one depth: the calibration's price
+    rng = random.Random(0)
+    for _ in range(LEARN):
+        b = [rng.randint(0, L) for _ in range(rng.randint(4, 12))]
+        sv.add(truth(b), b)
+    assert sv.learned() and sv.fit() == pytest.approx(0.25, rel=0.05)  # many depths: what the steps say
+    assert len(sv.steps) == LEARN
+
+
+def test_rule_learns_what_skipping_saves_where_the_calibration_prices_it_at_nothing():
+    """The calibration says skipping saves nothing; the server's steps save 0.25 ms per row and layer of
+    budget. Over the target with nothing predicted to fit it climbs one level; once rows at two depths
+    have run, the measured saving says how far to go and it jumps to a level that fits."""
+    c = Controller(Target(tpot_ms=7.0, period_s=0.5), ladder(L), flat_model(), now=0.0)
+    now = run_steps(c, 0.0, STREAM, truth([0] * 8))
+    assert c.tick(now + 1, [0] * 8, 8) and c.level == 1, c.reason
+    assert "calibration's prior" in c.reason and "predicted per level 0:12 1:12" in c.reason, c.reason
+    c.prefill()  # a prefill's gap counts for TPOT, not for what skipping saves
+    c.decode_step(now + 0.05, [0] * 8)
+    assert c.steps[-1][0] == pytest.approx(50.0) and len(c.saving.steps) == STREAM
+    now += 0.05
+    for i in range(3 * HISTORY):  # requests admitted at level 1 replace those at level 0
+        b = [1] * (i % 9) + [0] * (8 - i % 9)
+        now += truth(b) / 1e3
+        c.decode_step(now, b)
+    assert c.tick(now + 1, [1] * 8, 8), c.reason
+    assert c.level >= 3 and truth([ladder(L)[c.level]] * 8) <= 7.0 and "measured" in c.reason, c.reason
+    assert c.saving.value == pytest.approx(0.25, rel=0.25)
 
 
 def test_rule_ttft_target_raises_at_least_one_level():

@@ -9,33 +9,38 @@ layers as the request's budget, through the same per-row budget buffer as the re
 The rule, once per control period (`Target.period_s`), from what the scheduler knows:
     step   = the time between two decode steps: what a running stream sees between two tokens (a
              prefill run between them included); the last HISTORY steps are kept, at whatever level
-    model  = the calibration's prediction of one decode step for a batch of per-row budgets (StepModel)
-    step_j = step * model([k_j] * T) / model(its rows' budgets), T its rows: the same step had its rows
-             run at level j (the calibration says how a step scales with budgets; the measured step
-             says what it costs here, batch size, prefills and host included)
+    s      = what one row saves per routed layer of budget, in ms, on this server (Saving): fitted to the
+             measured prefill-free steps (step = a + b T - s B, T rows, B the sum of their budgets), with
+             the calibration's price of skipping (StepModel) as the prior until rows at several budgets ran
+    step_j = step - s (T k_j - B): the same step had its rows run at level j (the measured step says what
+             it costs here, batch size, prefills and host included; s how it moves with the budgets)
     est_j  = the 90th percentile, over every run of STREAM consecutive steps kept, of their mean step_j:
              a stream's TPOT is the mean of its gaps, so est_j is the p90 TPOT of the recent streams
              had they run at level j (est_c, at the level c of the steps, is simply what they saw)
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
     no running or queued request      -> level 0 (idle; the steps kept are dropped)
     fewer than STREAM steps kept, or DWELL since the level changed -> keep (measuring)
-    over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot; if the
-          calibration sees none, c + 1 (the measured steps then say whether that was enough)
+    over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot; if none
+          is predicted to fit, c + 1 (the measured steps then say whether that was enough)
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
     else keep.
 Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
 request's prefill is several times a decode step, and the running count moves with every arrival, so a
 rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
-The calibration prices layers, not a server's whole step (attention over the context, the host), and on a
-CPU at small batches it prices skipping at almost nothing: where it cannot say how far to go, the rule
-moves one level and lets the measured steps judge.
-Plain host arithmetic on a few hundred numbers per period; nothing runs on the device."""
+The calibration prices layers, not a server's whole step, and on a CPU at small batches it prices skipping
+at almost nothing where whole steps at the skipper's depth run 10-25% faster: the saving is therefore learned
+from the server's own steps once it has run more than one depth; before that, where the prior sees no
+level that fits, the rule moves one level and lets the measured steps judge.
+Plain host arithmetic (a 3-column least squares over a few hundred steps) once per period; nothing runs
+on the device."""
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from vskipper.control import RequestControl
 
@@ -45,6 +50,9 @@ STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's l
 HISTORY = 2 * STREAM  # decode steps kept
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a lower level must be predicted within this share of the target
+LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
+PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
+FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -130,37 +138,87 @@ def stream_p90(xs, stream: int = STREAM) -> float | None:
     return p90(means)
 
 
+class Saving:
+    """What skipping saves on this server, learned from its own decode steps: a least-squares fit of
+    step ms = a + b T - s B over the last LEARN steps that ran no prefill (T rows, B the sum of their
+    budgets), so s is the ms one row saves per routed layer of budget. Steps at one depth cannot tell s
+    from the batch's size, so the fit leans on a prior: the share of a step the calibration prices a
+    level's skipping at (at the steps' mean T), weighted as PRIOR steps whose budget sums span the ladder;
+    once the server has run rows at several budgets the measured steps take over. On a CPU at small
+    batches the calibration prices skipping at almost nothing (it prices layers, not attention over the
+    context nor the host) while whole steps at the skipper's depth run 10-25% faster. Kept across idle:
+    what a skipped layer saves does not change with the load."""
+
+    def __init__(self, model: StepModel | None, top: int) -> None:
+        self.model, self.top = model, max(1, top)
+        self.steps: deque[tuple[float, int, int]] = deque(maxlen=LEARN)  # (ms, T, B)
+        self.value: float | None = None  # s, refitted by fit()
+        self.prior: float | None = None
+
+    def add(self, ms: float, budgets) -> None:
+        self.steps.append((ms, len(budgets), sum(budgets)))
+
+    def fit(self) -> float | None:
+        if not self.steps:
+            return self.value
+        ms, T, B = (np.array(x, dtype=float) for x in zip(*self.steps))
+        t = max(1, round(float(T.mean())))
+        share = 0.0
+        if self.model is not None:  # the calibration's saving per unit of budget, as a share of a step
+            share = max(0.0, 1.0 - self.model([self.top] * t) / max(self.model([0] * t), 1e-9)) / self.top
+        self.prior = share * float(ms.mean()) / t
+        w = math.sqrt(PRIOR) * t * self.top / 2  # PRIOR steps whose budget sums span the ladder
+        X = np.column_stack([np.ones_like(T), T, -B])
+        X = np.vstack([X, [0.0, 0.0, w]])
+        y = np.append(ms, w * self.prior)
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        self.value = max(0.0, float(coef[2]))
+        return self.value
+
+    def learned(self) -> bool:
+        """Whether the steps kept ran at more than one budget sum per batch size (the data can speak)."""
+        seen: dict[int, set[int]] = {}
+        for _, T, B in self.steps:
+            seen.setdefault(T, set()).add(B)
+        return any(len(v) > 1 for v in seen.values())
+
+
 class Controller:
     """The rule above. `admit()` is the level for a request arriving now; the scheduler calls
-    `decode_step`, `first_token`, `idle` and `tick` as things happen (times in seconds)."""
+    `decode_step`, `prefill`, `first_token`, `idle` and `tick` as things happen (times in seconds)."""
 
     def __init__(self, target: Target, budgets: tuple[int, ...], model: StepModel | None, now: float) -> None:
         self.target, self.budgets, self.model = target, budgets, model
         self.top = len(budgets) - 1
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
-        self.steps: deque[tuple[float, tuple[float, ...]]] = deque(maxlen=HISTORY)  # (ms, its step_j / step)
+        self.steps: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B) of each step
+        self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed
         self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
         self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
         self.last_step: float | None = None
+        self.prefilled = False  # a prefill ran since the last decode step
         self.last_tick = self.since = now
         self.seconds = [0.0] * len(budgets)  # time spent at each level
 
     def admit(self) -> int:
         return self.level
 
-    def decode_step(self, now: float, budgets) -> None:
-        """A decode step ended at `now`; `budgets`: its rows' budgets."""
+    def decode_step(self, now: float, budgets, prefill: bool = False) -> None:
+        """A decode step ended at `now`; `budgets`: its rows' budgets; `prefill`: it carried prefill work."""
+        budgets = list(budgets)
         if self.last_step is not None:
-            if self.model is not None:
-                T, pred = len(budgets), max(self.model(budgets), 1e-9)
-                scale = tuple(self.model([k] * T) / pred for k in self.budgets)
-            else:
-                scale = (1.0,) * len(self.budgets)
-            self.steps.append(((now - self.last_step) * 1e3, scale))
+            ms = (now - self.last_step) * 1e3
+            self.steps.append((ms, len(budgets), sum(budgets)))
+            if not (prefill or self.prefilled):
+                self.saving.add(ms, budgets)
             self.fresh += 1
-        self.last_step = now
+        self.last_step, self.prefilled = now, False
+
+    def prefill(self) -> None:
+        """A prefill batch ran: the next decode step's gap carries it (it counts for TPOT, not for Saving)."""
+        self.prefilled = True
 
     def first_token(self, seconds: float) -> None:
         self.ttfts.append(seconds * 1e3)
@@ -184,8 +242,13 @@ class Controller:
 
     def observed(self) -> float | None:
         """The p90 TPOT of a stream over the steps kept (ms), whatever the level (idle: the last one)."""
-        seen = stream_p90(ms for ms, _ in self.steps)
+        seen = stream_p90(ms for ms, _, _ in self.steps)
         return self.last_seen if seen is None else seen
+
+    def estimates(self) -> list[float]:
+        """est_j of every level (ms): each step kept, priced at level j by what skipping saves here."""
+        s = self.saving.fit() or 0.0
+        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B)) for ms, T, B in self.steps) for k in self.budgets]
 
     def tick(self, now: float, running: list[int], waiting: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
@@ -204,12 +267,13 @@ class Controller:
             return self._set(self.level, "measuring", now)
         t, c = self.target, self.level
         seen = self.observed()
-        est = [stream_p90(ms * f[j] for ms, f in self.steps) for j in range(self.top + 1)]
+        est = self.estimates()
         ttft = p90(self.ttfts) if self.ttfts else None
         ttft_over = t.ttft_ms is not None and ttft is not None and ttft > t.ttft_ms
         ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
         load = (f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued; predicted per level "
-                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms")
+                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
+                + self.describe_saving())
         if (est[c] > t.tpot_ms or ttft_over) and c < self.top:
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= t.tpot_ms]
             j = fits[0] if fits and not ttft_over else c + 1
@@ -220,6 +284,14 @@ class Controller:
             return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, within "
                                     f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         return self._set(c, f"holding ({load})", now)
+
+    def describe_saving(self) -> str:
+        sv = self.saving
+        if sv.value is None:
+            return "skipping's saving not measured yet"
+        return (f"a row saves {sv.value:.3f} ms per routed layer of budget ("
+                + ("measured" if sv.learned() else "the calibration's prior")
+                + f", {len(sv.steps)} steps; prior {sv.prior:.3f})")
 
     def time_per_level(self, now: float) -> list[float]:
         out = list(self.seconds)
