@@ -41,7 +41,7 @@ from benchmarks.serving.servers import SERVER_THREADS, System, start_all, stop
 
 STEPS = (0.25, 0.5, 0.75, 1.0, 1.1, 1.25, 1.5)  # multiples of R, upstream's highest rate meeting the target
 KNEE, MARGIN = 0.8, 1.1  # --tpot-ms auto: MARGIN x upstream's p90 TPOT at KNEE x its saturated capacity
-SEARCH = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1)  # of upstream's saturated capacity, in req/s
+SEARCH = tuple(round(0.1 * i, 1) for i in range(2, 12))  # of upstream's capacity, req/s: R is as fine as this grid
 
 
 def quantile(xs: list[float], q: float) -> float:
