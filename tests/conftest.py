@@ -1,5 +1,5 @@
 """Test settings: the Triton interpreter off a GPU machine, hypothesis profiles, threads, a seed per test.
-(What the tests share as code is in helpers.py, tiny.py and sglang_util.py.)"""
+(What the tests share as code is in helpers.py, tiny.py, sglang_util.py and training_util.py.)"""
 from __future__ import annotations
 
 import os

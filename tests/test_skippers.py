@@ -42,7 +42,7 @@ def test_random_skip_is_a_pure_function():
 
 
 def test_random_skip_router_gives_hash_uniform_decisions_as_bools():
-    from vskipper.routed_layer import RouteCounter
+    from vskipper.counters import RouteCounter
     from vskipper.skippers.base import sanitize_gate
 
     pos = torch.cat([torch.arange(3000), torch.tensor([2**31 - 1, 2**32 - 1, -5])])  # big and negative too

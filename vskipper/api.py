@@ -6,9 +6,10 @@ from torch import nn
 
 from vskipper.config import Config
 from vskipper.control import COUNTS, SETTINGS, RequestCap
+from vskipper.counters import route_counter
 from vskipper.models import ModelFamily, family_for
 from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
-from vskipper.routed_layer import AutoBody, Body, Plan, RoutedLayer, make_body, resolve_plan, route_counter
+from vskipper.routed_layer import AutoBody, Body, Plan, RoutedLayer, make_body, resolve_plan
 from vskipper.skippers.base import Skipper
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() shows auto's graph plan for
