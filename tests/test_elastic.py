@@ -8,6 +8,7 @@ import asyncio
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,7 +154,7 @@ def test_saving_is_the_calibrations_until_several_depths_ran_then_the_measured_o
     for T in (4, 8, 8, 12):
         sv.add(truth([0] * T), [0] * T)
     m = step_model()
-    prior = (1 - m([L] * 8) / m([0] * 8)) / L * (sum(ms for ms, _, _ in sv.steps) / 4) / 8
+    prior = (1 - m([L] * 8) / m([0] * 8)) / L * (sum(st[0] for st in sv.steps) / 4) / 8
     assert not sv.learned() and sv.fit() == pytest.approx(prior)  # one depth: the calibration's price
     rng = random.Random(0)
     for _ in range(LEARN):
@@ -161,6 +162,26 @@ def test_saving_is_the_calibrations_until_several_depths_ran_then_the_measured_o
         sv.add(truth(b), b)
     assert sv.learned() and sv.fit() == pytest.approx(0.25, rel=0.05)  # many depths: what the steps say
     assert len(sv.steps) == LEARN
+
+
+def test_saving_compares_steps_within_an_episode_and_at_their_context():
+    """A first burst at level 0; after an idle spell a second, on a busier machine (3 ms more a step), with
+    rows at mixed budgets and contexts (0.01 ms per context token): pooled, the deeper steps would look
+    dearer; compared within their burst, with context priced apart, a row saves 0.25 ms per layer of budget."""
+    sv = Saving(flat_model(), L)
+    rng = random.Random(1)
+    for _ in range(100):
+        T = rng.randint(4, 12)
+        sv.add(truth([0] * T) + 0.5 * T, [0] * T, context=50 * T)
+    sv.new_episode()
+    for _ in range(200):
+        b = [rng.randint(0, L) for _ in range(rng.randint(4, 12))]
+        ctx = sum(rng.randint(10, 400) for _ in b)
+        sv.add(3.0 + truth(b) + 0.01 * ctx, b, context=ctx)
+    assert sv.fit() == pytest.approx(0.25, rel=0.05) and sv.learned()
+    pooled = np.linalg.lstsq(np.array([[1, T, -B, C] for _, T, B, C, _ in sv.steps], dtype=float),
+                             np.array([st[0] for st in sv.steps]), rcond=None)[0][2]
+    assert pooled < 0.2  # the busier burst's 3 ms, read as the price of its budgets
 
 
 def test_rule_learns_what_skipping_saves_where_the_calibration_prices_it_at_nothing():

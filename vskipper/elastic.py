@@ -10,8 +10,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     step   = the time between two decode steps: what a running stream sees between two tokens (a
              prefill run between them included); the last HISTORY steps are kept, at whatever level
     s      = what one row saves per routed layer of budget, in ms, on this server (Saving): fitted to the
-             measured prefill-free steps (step = a + b T - s B, T rows, B the sum of their budgets), with
-             the calibration's price of skipping (StepModel) as the prior until rows at several budgets ran
+             measured prefill-free steps (step = a + b T + c C - s B: T rows, B the sum of their budgets,
+             C their context tokens, a constant per busy episode), with the calibration's price of
+             skipping (StepModel) as the prior until rows at several budgets ran
     step_j = step - s (T k_j - B): the same step had its rows run at level j (the measured step says what
              it costs here, batch size, prefills and host included; s how it moves with the budgets)
     est_j  = the 90th percentile, over every run of STREAM consecutive steps kept, of their mean step_j:
@@ -140,47 +141,63 @@ def stream_p90(xs, stream: int = STREAM) -> float | None:
 
 class Saving:
     """What skipping saves on this server, learned from its own decode steps: a least-squares fit of
-    step ms = a + b T - s B over the last LEARN steps that ran no prefill (T rows, B the sum of their
-    budgets), so s is the ms one row saves per routed layer of budget. Steps at one depth cannot tell s
-    from the batch's size, so the fit leans on a prior: the share of a step the calibration prices a
-    level's skipping at (at the steps' mean T), weighted as PRIOR steps whose budget sums span the ladder;
-    once the server has run rows at several budgets the measured steps take over. On a CPU at small
-    batches the calibration prices skipping at almost nothing (it prices layers, not attention over the
-    context nor the host) while whole steps at the skipper's depth run 10-25% faster. Kept across idle:
-    what a skipped layer saves does not change with the load."""
+    step ms = a_e + b T + c C - s B over the last LEARN steps that ran no prefill (T rows, B the sum of
+    their budgets, C the tokens of context they attend over, a_e one constant per busy episode: the
+    machine and the prompts of one burst are not those of the next), so s is the ms one row saves per
+    routed layer of budget, judged only between steps of the same episode. Steps at one depth cannot
+    tell s from the batch's size, so the fit leans on a prior: the share of a step the calibration prices
+    a level's skipping at (at the steps' mean T), weighted as PRIOR steps whose budget sums span the
+    ladder; once the server has run rows at several budgets the measured steps take over. On a CPU at
+    small batches the calibration prices skipping at almost nothing (it prices layers, not attention
+    over the context nor the host) while whole steps at the skipper's depth run 10-25% faster. Kept
+    across idle: what a skipped layer saves does not change with the load."""
 
     def __init__(self, model: StepModel | None, top: int) -> None:
         self.model, self.top = model, max(1, top)
-        self.steps: deque[tuple[float, int, int]] = deque(maxlen=LEARN)  # (ms, T, B)
+        self.steps: deque[tuple[float, int, int, int, int]] = deque(maxlen=LEARN)  # (ms, T, B, C, episode)
+        self.episode = 0
         self.value: float | None = None  # s, refitted by fit()
         self.prior: float | None = None
 
-    def add(self, ms: float, budgets) -> None:
-        self.steps.append((ms, len(budgets), sum(budgets)))
+    def add(self, ms: float, budgets, context: int = 0) -> None:
+        self.steps.append((ms, len(budgets), sum(budgets), context, self.episode))
+
+    def new_episode(self) -> None:
+        """The server went idle: the next steps are compared among themselves."""
+        self.episode += 1
+
+    def _within(self) -> np.ndarray:
+        """(ms, T, B, C) of the steps kept, less their episode's mean."""
+        cols = np.array([s[:4] for s in self.steps], dtype=float)
+        episodes = np.array([s[4] for s in self.steps])
+        for e in np.unique(episodes):
+            rows = episodes == e
+            cols[rows] -= cols[rows].mean(0)
+        return cols
+
+    def _span(self) -> float:
+        """The budget sum's spread that PRIOR steps spanning the ladder give, at the steps' mean T."""
+        t = max(1, round(sum(s[1] for s in self.steps) / len(self.steps)))
+        return math.sqrt(PRIOR) * t * self.top / 2
 
     def fit(self) -> float | None:
         if not self.steps:
             return self.value
-        ms, T, B = (np.array(x, dtype=float) for x in zip(*self.steps))
-        t = max(1, round(float(T.mean())))
+        t = max(1, round(sum(s[1] for s in self.steps) / len(self.steps)))
         share = 0.0
         if self.model is not None:  # the calibration's saving per unit of budget, as a share of a step
             share = max(0.0, 1.0 - self.model([self.top] * t) / max(self.model([0] * t), 1e-9)) / self.top
-        self.prior = share * float(ms.mean()) / t
-        w = math.sqrt(PRIOR) * t * self.top / 2  # PRIOR steps whose budget sums span the ladder
-        X = np.column_stack([np.ones_like(T), T, -B])
-        X = np.vstack([X, [0.0, 0.0, w]])
-        y = np.append(ms, w * self.prior)
-        coef = np.linalg.lstsq(X, y, rcond=None)[0]
-        self.value = max(0.0, float(coef[2]))
+        self.prior = share * sum(s[0] for s in self.steps) / len(self.steps) / t
+        cols, w = self._within(), self._span()
+        X = np.vstack([np.column_stack([cols[:, 1], -cols[:, 2], cols[:, 3]]), [0.0, w, 0.0]])
+        y = np.append(cols[:, 0], w * self.prior)
+        self.value = max(0.0, float(np.linalg.lstsq(X, y, rcond=None)[0][1]))
         return self.value
 
     def learned(self) -> bool:
-        """Whether the steps kept ran at more than one budget sum per batch size (the data can speak)."""
-        seen: dict[int, set[int]] = {}
-        for _, T, B in self.steps:
-            seen.setdefault(T, set()).add(B)
-        return any(len(v) > 1 for v in seen.values())
+        """Whether the steps say more about s than the prior does (their budget sums spread wider within
+        their episodes)."""
+        return bool(self.steps) and float((self._within()[:, 2] ** 2).sum()) > self._span() ** 2
 
 
 class Controller:
@@ -205,14 +222,15 @@ class Controller:
     def admit(self) -> int:
         return self.level
 
-    def decode_step(self, now: float, budgets, prefill: bool = False) -> None:
-        """A decode step ended at `now`; `budgets`: its rows' budgets; `prefill`: it carried prefill work."""
+    def decode_step(self, now: float, budgets, prefill: bool = False, context: int = 0) -> None:
+        """A decode step ended at `now`; `budgets`: its rows' budgets; `prefill`: it carried prefill work;
+        `context`: the tokens its rows attend over."""
         budgets = list(budgets)
         if self.last_step is not None:
             ms = (now - self.last_step) * 1e3
             self.steps.append((ms, len(budgets), sum(budgets)))
             if not (prefill or self.prefilled):
-                self.saving.add(ms, budgets)
+                self.saving.add(ms, budgets, context)
             self.fresh += 1
         self.last_step, self.prefilled = now, False
 
@@ -259,6 +277,7 @@ class Controller:
             if self.steps:  # the load went; what it measured says nothing about the next
                 self.last_seen = self.observed()
                 self.steps.clear()
+                self.saving.new_episode()
             return self._set(0, "idle", now)
         if now - self.last_tick < self.target.period_s:
             return False

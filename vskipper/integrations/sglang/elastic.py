@@ -10,8 +10,8 @@ Where it meets SGLang (hooks, no SGLang file patched):
         cache's namespace: a request never reads K/V computed at another level.
     Scheduler._create_generation_req  AFTER: the request's arrival time (for TTFT); on the other ranks
         the level it carries is the current level (reported, never decided there).
-    Scheduler.process_batch_result    AFTER: a decode step's time and its rows' budgets (and whether a prefill
-        ran since the last one); first tokens; the control tick.
+    Scheduler.process_batch_result    AFTER: a decode step's time, its rows' budgets and context tokens (and
+        whether a prefill ran since the last one); first tokens; the control tick.
     Scheduler.on_idle                 AFTER: no batch ran (the next step time starts afresh; idle -> level 0).
 A request's budget is the stricter of its field's and its level's (requests.BatchBudgets.budget), and
 reaches the routed layers through the per-row budget buffer: nothing new inside captured graphs."""
@@ -137,7 +137,8 @@ def after_batch(result, scheduler, batch, *args, **kwargs):
     now = time.monotonic()
     mode = batch.forward_mode
     if mode.is_decode() or mode.is_mixed():
-        e.controller.decode_step(now, [e.budgets.budget(r) for r in batch.reqs], prefill=mode.is_mixed())
+        e.controller.decode_step(now, [e.budgets.budget(r) for r in batch.reqs], prefill=mode.is_mixed(),
+                                 context=sum(r.seqlen for r in batch.reqs))
     elif mode.is_extend():
         e.controller.prefill()
     if mode.is_extend():
