@@ -104,7 +104,7 @@ class StepModel:
         self.cal, self.bodies = calibration, tuple(b for b in bodies if b in calibration.bodies()) or ("dense",)
         self.n_layers, self.n_routed = n_layers, n_routed
         self.f = 0.5 if run_fraction is None else run_fraction
-        self._memo: dict[tuple[int, ...], float] = {}  # every decode step asks; batches repeat
+        self._memo: dict[tuple[int, ...], float] = {}  # each fit asks at the steps' mean T; it repeats
 
     def __call__(self, budgets) -> float:
         key = tuple(sorted(budgets))
