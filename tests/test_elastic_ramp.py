@@ -1,0 +1,92 @@
+"""The elastic-depth ramp benchmark (benchmarks/serving/elastic_ramp.py): its table and figure, its
+rounds pooled in random order, the search for upstream's rate R. A fake client; no server."""
+from __future__ import annotations
+
+import pytest
+
+
+def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
+    from benchmarks.serving.elastic_ramp import plot, quantile, shares, table
+
+    assert quantile([5, 1, 4, 2, 3], 0.9) == 5 and quantile([5, 1, 4, 2, 3], 0.5) == 3
+    m = lambda p90, skip: dict(tpot_p50_ms=p90 / 2, tpot_p90_ms=p90, ttft_p50_s=0.1, ttft_p90_s=0.2, tok_s=9.0,  # noqa: E731
+                               failed=0, skip=skip, agreement=None if skip is None else 1 - skip)
+    steps = [{"multiple": f, "rate": f * 2, "systems": {"upstream": m(30 * f, None), "elastic-random": m(30, s)}}
+             for f, s in ((0.5, 0.0), (1.5, 0.4))]
+    md = table(steps, ["upstream", "elastic-random"], target_ms=40.0)
+    assert "| 1.5x (3.000/s) | upstream | 22 | 45 * |" in md and "| 1.5x (3.000/s) | elastic-random | 15 | 30 |" in md
+    assert "0.400" in md and "0.60" in md
+    steps[1]["requests"] = 18
+    steps[1]["systems"]["upstream"]["levels"] = shares({"0": 30.0, "4": 90.0, "2": 10.0}, {"0": 20.0, "4": 60.0})
+    assert steps[1]["systems"]["upstream"]["levels"] == "0:20% 2:20% 4:60%" and shares({"0": 1.0}, {"0": 1.0}) is None
+    assert "| 1.5x (3.000/s, 18 req) | upstream |" in table(steps, ["upstream"], target_ms=40.0)
+    assert "| 0:20% 2:20% 4:60% | 0 |" in table(steps, ["upstream"], target_ms=40.0)
+    plot(steps, ["upstream", "elastic-random"], 40.0, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_ramp_pools_its_rounds_in_random_order_and_sums_route_counts(monkeypatch):
+    """ramp: every round offers every step to every server, steps and servers shuffled per round, the
+    same requests to every server within a round; a step's p90 is over the requests of all its rounds,
+    each round's own p90 listed; skip fraction and tokens per level from the summed counters."""
+    from types import SimpleNamespace
+
+    import benchmarks.serving.elastic_ramp as er
+
+    calls, counters = [], {"up": [0.0, 0.0], "el": [0.0, 0.0]}
+
+    def measure(client, url, rows, rate, seed):
+        calls.append((url, rate, seed))
+        r = sum(1 for u, _, _ in calls if u == url)  # this server's r-th run
+        if url == "el":
+            counters["el"][0] += 30.0
+            counters["el"][1] += 10.0 * r
+        tpot = [0.010 * r] * 9 + [0.100 * r]
+        return {"tpot_p90_ms": 1e3 * er.quantile(tpot, 0.9), "tpot_s": tpot, "ttft_s": [0.5] * 10, "tok_s": 6.0 * r,
+                "failed": 0, "texts": ["zzzz" if url == "el" and r == 2 else "abcd"] * 10}
+
+    monkeypatch.setattr(er, "measure", measure)
+    monkeypatch.setattr(er, "route_counts", lambda url: tuple(counters[url]))
+    monkeypatch.setattr(er, "level_tokens", lambda url: {"0": counters[url][0], "4": counters[url][1]})
+    client = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda t: [ord(c) for c in t]))
+    rows_for = lambda rate, seed: [seed] * 10  # noqa: E731
+    done = er.ramp(client, {"upstream": SimpleNamespace(url="up"), "elastic": SimpleNamespace(url="el")},
+                   (0.5,), 2.0, rows_for, probes=2, seed=0, rounds=2)
+    assert [(u, s) for u, _, s in calls] == [(calls[0][0], 10), (calls[1][0], 10), (calls[2][0], 1010),
+                                             (calls[3][0], 1010)] and {calls[0][0], calls[1][0]} == {"up", "el"}
+    (step,) = done
+    assert step["requests"] == 20 and step["rounds"] == 2
+    el = step["systems"]["elastic"]
+    assert el["round_p90_ms"] == pytest.approx([10.0, 20.0])  # each round: 9 of 10 requests at 10 r ms
+    assert el["tpot_p90_ms"] == pytest.approx(20.0) and el["tpot_p50_ms"] == pytest.approx(20.0)  # pooled
+    assert el["skip"] == pytest.approx(30 / 90) and el["levels"] == "0:67% 4:33%" and el["tok_s"] == 9.0
+    assert el["agreement"] == pytest.approx(0.5) and step["systems"]["upstream"]["agreement"] is None
+
+
+def test_ramp_search_needs_two_misses_to_stop_and_reports_every_measurement():
+    """find_rate: a rate whose p90 TPOT misses the target once and meets it on the second try counts as
+    met; the search ends at the first rate that misses twice; R is the last rate met."""
+    from types import SimpleNamespace
+
+    from benchmarks.serving.elastic_ramp import find_rate
+
+    class Fake:  # a p90 TPOT of (e2e - ttft) / (n - 1) per request, scripted per call
+        def __init__(self, tpots):
+            self.tpots, self.calls = list(tpots), []
+
+        def run(self, url, rows, concurrency, rate, seed):
+            self.calls.append(rate)
+            t = self.tpots.pop(0)
+            return SimpleNamespace(per_request=[(True, 0.0, t * (r.output_len - 1), r.output_len, 0.0) for r in rows],
+                                   output_throughput=1.0, texts=())
+
+    rows = lambda rate: [SimpleNamespace(output_len=5)] * 3  # noqa: E731
+    fake = Fake([0.010, 0.050, 0.020, 0.030, 0.060, 0.070, 0.001])  # seconds per token
+    rate, curve = find_rate(fake, "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2, 0.3, 0.4))
+    assert rate == 3.0 and fake.calls == [1.0, 2.0, 2.0, 3.0, 4.0, 4.0]
+    assert [round(p) for _, p in curve] == [10, 50, 20, 30, 60, 70]
+    with pytest.raises(SystemExit, match="larger --tpot-ms"):
+        find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2))
+    rate, _ = find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2),
+                        strict=False)  # a smoke run goes on from the lowest rate searched
+    assert rate == 1.0
