@@ -20,19 +20,23 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
              had they run at level j (est_c, at the level c of the steps, is simply what they saw)
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
     no running or queued request      -> level 0 (idle; the steps kept are dropped)
-    fewer than STREAM steps kept, or DWELL since the level changed -> keep (measuring)
-    over: est_c > tpot, or p90 TTFT > ttft  -> the lowest level above c with est_j <= tpot; if none
-          is predicted to fit, c + 1 (the measured steps then say whether that was enough)
+    fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring)
+    over: est_c > tpot -> the lowest level above c with est_j <= tpot; if none is predicted to fit,
+          the top (the most the skipper can give; its measured steps then teach the saving)
+    over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
     else keep.
+Up fast, down slowly: a server over its target misses it for every stream it admits meanwhile, one
+running under it only skips more than it needs until the next period's step down. The first decision
+of a busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
 Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
 request's prefill is several times a decode step, and the running count moves with every arrival, so a
 rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
 The calibration prices layers, not a server's whole step, and on a CPU at small batches it prices skipping
 at almost nothing where whole steps at the skipper's depth run 10-25% faster: the saving is therefore learned
 from the server's own steps once it has run more than one depth; before that, where the prior sees no
-level that fits, the rule moves one level and lets the measured steps judge.
+level that fits, the rule goes to the top and lets the measured steps bring it down.
 Plain host arithmetic (a 3-column least squares over a few hundred steps) once per period; nothing runs
 on the device."""
 from __future__ import annotations
@@ -46,8 +50,8 @@ import numpy as np
 from vskipper.control import RequestControl
 
 LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
-DWELL = 16  # decode steps at a new level before the rule decides again (its new streams begin to count)
-STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length); needed before deciding
+DWELL = 16  # decode steps at a new level (or of a new busy spell) before the rule decides (again)
+STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
 HISTORY = 2 * STREAM  # decode steps kept
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a lower level must be predicted within this share of the target
@@ -282,7 +286,7 @@ class Controller:
         if now - self.last_tick < self.target.period_s:
             return False
         self.last_tick = now
-        if len(self.steps) < STREAM or self.fresh < DWELL:
+        if len(self.steps) < DWELL or self.fresh < DWELL:
             return self._set(self.level, "measuring", now)
         t, c = self.target, self.level
         seen = self.observed()
@@ -294,11 +298,12 @@ class Controller:
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
                 + self.describe_saving())
         if (est[c] > t.tpot_ms or ttft_over) and c < self.top:
+            if est[c] <= t.tpot_ms:
+                return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= t.tpot_ms]
-            j = fits[0] if fits and not ttft_over else c + 1
-            why = (f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms" if ttft_over else
-                   f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms")
-            return self._set(j, f"{why} ({load})", now)
+            j = fits[0] if fits else self.top
+            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms"
+                                + ("" if fits else ", no level predicted to fit: the top") + f" ({load})", now)
         if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
             return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, within "
                                     f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
