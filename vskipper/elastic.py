@@ -21,8 +21,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
     no running or queued request      -> level 0 (idle; the steps kept are dropped)
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring)
-    over: est_c > tpot -> the lowest level above c with est_j <= tpot; if none is predicted to fit,
-          the top (the most the skipper can give; its measured steps then teach the saving)
+    over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
+          next period does not fall straight back, and with a margin for the estimate); if none, the
+          top (the most the skipper can give; its measured steps then teach the saving)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
@@ -54,7 +55,7 @@ DWELL = 16  # decode steps at a new level (or of a new busy spell) before the ru
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
 HISTORY = 2 * STREAM  # decode steps kept
 WINDOW = 64  # first-token times kept
-DOWN = 0.85  # a lower level must be predicted within this share of the target
+DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
@@ -300,10 +301,10 @@ class Controller:
         if (est[c] > t.tpot_ms or ttft_over) and c < self.top:
             if est[c] <= t.tpot_ms:
                 return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
-            fits = [j for j in range(c + 1, self.top + 1) if est[j] <= t.tpot_ms]
+            fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
             j = fits[0] if fits else self.top
-            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms"
-                                + ("" if fits else ", no level predicted to fit: the top") + f" ({load})", now)
+            none = "" if fits else f", no level predicted within {DOWN:g} x target: the top"
+            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{none} ({load})", now)
         if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
             return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, within "
                                     f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
