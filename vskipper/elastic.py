@@ -59,8 +59,6 @@ DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predic
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
-RATE_S = 10.0  # seconds of arrivals the arrival rate is measured over (since the busy spell began, if later)
-ARRIVALS = 256  # arrivals kept
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -164,7 +162,6 @@ class Saving:
         self.steps: deque[tuple[float, int, int, int, int]] = deque(maxlen=LEARN)  # (ms, T, B, C, episode)
         self.episode = 0
         self.value: float | None = None  # s, refitted by fit()
-        self.per_row = self.per_token = 0.0  # b and c, refitted by fit() (0 until the steps' sizes vary)
         self.prior: float | None = None
 
     def add(self, ms: float, budgets, context: int = 0) -> None:
@@ -199,8 +196,7 @@ class Saving:
         cols, w = self._within(), self._span()
         X = np.vstack([np.column_stack([cols[:, 1], -cols[:, 2], cols[:, 3]]), [0.0, w, 0.0]])
         y = np.append(cols[:, 0], w * self.prior)
-        b, s, c = (float(x) for x in np.linalg.lstsq(X, y, rcond=None)[0])
-        self.value, self.per_row, self.per_token = max(0.0, s), b, c
+        self.value = max(0.0, float(np.linalg.lstsq(X, y, rcond=None)[0][1]))
         return self.value
 
     def learned(self) -> bool:
@@ -218,10 +214,7 @@ class Controller:
         self.top = len(budgets) - 1
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
-        self.steps: deque[tuple[float, int, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B, C) of each step
-        self.arrivals: deque[tuple[float, int]] = deque(maxlen=ARRIVALS)  # (time, tokens asked for)
-        self.spell: float | None = None  # the first arrival since the server was last idle
-        self.forecasts: list[float] | None = None  # f_j at the last decision
+        self.steps: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B) of each step
         self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed
         self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
@@ -240,7 +233,7 @@ class Controller:
         budgets = list(budgets)
         if self.last_step is not None:
             ms = (now - self.last_step) * 1e3
-            self.steps.append((ms, len(budgets), sum(budgets), context))
+            self.steps.append((ms, len(budgets), sum(budgets)))
             if not (prefill or self.prefilled):
                 self.saving.add(ms, budgets, context)
             self.fresh += 1
@@ -249,21 +242,6 @@ class Controller:
     def prefill(self) -> None:
         """A prefill batch ran: the next decode step's gap carries it (it counts for TPOT, not for Saving)."""
         self.prefilled = True
-
-    def arrive(self, now: float, tokens: int | None) -> None:
-        """A request arrived at `now`, asking for `tokens` (None: unknown, a stream's length)."""
-        if self.spell is None:
-            self.spell = now
-        self.arrivals.append((now, STREAM if not tokens or tokens <= 0 else int(tokens)))
-
-    def rate(self, now: float) -> float | None:
-        """Requests arriving per second, over the last RATE_S seconds or, if later, since the busy spell's
-        first arrival (not counting that one: the arrivals after it are Poisson at the spell's rate); None
-        until a second of it has passed."""
-        start = max(now - RATE_S, now if self.spell is None else self.spell)
-        if now - start < 1.0:
-            return None
-        return sum(1 for t, _ in self.arrivals if start < t <= now) / (now - start)
 
     def first_token(self, seconds: float) -> None:
         self.ttfts.append(seconds * 1e3)
@@ -287,53 +265,16 @@ class Controller:
 
     def observed(self) -> float | None:
         """The p90 TPOT of a stream over the steps kept (ms), whatever the level (idle: the last one)."""
-        seen = stream_p90(ms for ms, *_ in self.steps)
+        seen = stream_p90(ms for ms, _, _ in self.steps)
         return self.last_seen if seen is None else seen
 
     def estimates(self) -> list[float]:
         """est_j of every level (ms): each step kept, priced at level j by what skipping saves here."""
         s = self.saving.fit() or 0.0
-        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B)) for ms, T, B, _ in self.steps) for k in self.budgets]
+        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B)) for ms, T, B in self.steps) for k in self.budgets]
 
-    def forecast(self, now: float, running: list[int], left: list[int] | None, waiting: int) -> list[float] | None:
-        """f_j (ms): the mean step over the next STREAM steps of a request arriving now at level j, were
-        requests to go on arriving at the measured rate, at level j, each for the mean of the tokens the
-        recent ones asked for. The running rows (budgets `running`) leave as their tokens (`left`; None:
-        half an answer each) run out, the queued ones join at once at the current level. A step costs a
-        plus its rows' costs: a row at budget k costs b + c x (context per row) - s k (Saving's fit), and a
-        is the mean of the steps kept less their rows' costs (the host, prefills at the recent rate). None
-        until the rate and a fit are measured. It sees a burst's batch before its steps do: a stream
-        admitted now runs through the batch the arrivals will build, not the one of the moment."""
-        lam, sv = self.rate(now), self.saving
-        if lam is None or sv.value is None or not self.steps:
-            return None
-        asked = [n for t, n in self.arrivals if t > now - RATE_S]
-        n = max(1, round(sum(asked) / len(asked))) if asked else STREAM
-        rows = sum(T for _, T, _, _ in self.steps)
-        per_row = sv.per_row + sv.per_token * sum(C for *_, C in self.steps) / max(1, rows)
-        a = max(0.0, sum(ms - sv.per_row * T - sv.per_token * C + sv.value * B for ms, T, B, C in self.steps)
-                / len(self.steps))
-
-        def cost(k: int) -> float:
-            return max(0.0, per_row - sv.value * k)
-
-        base = np.zeros(STREAM + 1)
-        for k, m in zip(running, left if left is not None else [max(1, n // 2)] * len(running)):
-            base[:min(max(m, 0), STREAM)] += cost(k)
-        base[:min(n, STREAM)] += waiting * cost(self.budgets[self.level])
-        out = []
-        for k in self.budgets:
-            load, r, total = base.copy(), cost(k), 0.0
-            for i in range(STREAM):
-                ms = a + load[i] + r
-                total += ms
-                load[i + 1:i + 1 + n] += lam * ms / 1e3 * r  # the requests arriving during this step
-            out.append(total / STREAM)
-        return out
-
-    def tick(self, now: float, running: list[int], waiting: int, left: list[int] | None = None) -> bool:
-        """running: budgets of the running requests; waiting: requests queued; left: tokens each running
-        request has still to make (None: unknown). Returns whether the level changed."""
+    def tick(self, now: float, running: list[int], waiting: int) -> bool:
+        """running: budgets of the running requests. Returns whether the level changed."""
         n = len(running) + waiting
         if self.model is None:
             return False
@@ -342,7 +283,6 @@ class Controller:
                 self.last_seen = self.observed()
                 self.steps.clear()
                 self.saving.new_episode()
-            self.spell = None
             return self._set(0, "idle", now)
         if now - self.last_tick < self.target.period_s:
             return False
@@ -351,18 +291,13 @@ class Controller:
             return self._set(self.level, "measuring", now)
         t, c = self.target, self.level
         seen = self.observed()
-        est = measured = self.estimates()
-        fc = self.forecasts = self.forecast(now, running, left, waiting)
-        if fc is not None:
-            est = [max(m, f) for m, f in zip(measured, fc)]
+        est = self.estimates()
         ttft = p90(self.ttfts) if self.ttfts else None
         ttft_over = t.ttft_ms is not None and ttft is not None and ttft > t.ttft_ms
         ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
         load = (f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued; predicted per level "
-                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(measured)) + " ms"
-                + ("" if fc is None else f", forecast at {self.rate(now):.2f} req/s "
-                   + " ".join(f"{j}:{f:.0f}" for j, f in enumerate(fc)) + " ms")
-                + "; " + self.describe_saving())
+                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
+                + self.describe_saving())
         if (est[c] > t.tpot_ms or ttft_over) and c < self.top:
             if est[c] <= t.tpot_ms:
                 return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)

@@ -8,8 +8,7 @@ Where it meets SGLang (hooks, no SGLang file patched):
         SGLang's own broadcast on the CPU group, so every rank applies the same level and no collective
         is added; under data parallelism each replica stamps its own. The extra_key is also the radix
         cache's namespace: a request never reads K/V computed at another level.
-    Scheduler._create_generation_req  AFTER: the request's arrival time (for TTFT and the arrival rate) and
-        the tokens it asks for (the forecast of the batch a burst builds); on the other ranks
+    Scheduler._create_generation_req  AFTER: the request's arrival time (for TTFT); on the other ranks
         the level it carries is the current level (reported, never decided there).
     Scheduler.process_batch_result    AFTER: a decode step's time, its rows' budgets and context tokens (and
         whether a prefill ran since the last one); first tokens; the control tick.
@@ -118,7 +117,6 @@ def on_new_request(req, scheduler, *args, **kwargs):
     if e is not None:
         now = time.monotonic()
         e.arrivals[req] = now
-        e.controller.arrive(now, getattr(req.sampling_params, "max_new_tokens", None))
         level = level_of(req.extra_key)
         if not e.leader and level is not None:
             e.controller.follow(level, now)
@@ -126,11 +124,9 @@ def on_new_request(req, scheduler, *args, **kwargs):
 
 
 def _tick(e: Elastic, scheduler, now: float) -> None:
-    reqs = getattr(scheduler.running_batch, "reqs", None) or []
-    running = [e.budgets.budget(r) for r in reqs]
-    left = [(r.sampling_params.max_new_tokens or 0) - len(r.output_ids) for r in reqs]
+    running = [e.budgets.budget(r) for r in getattr(scheduler.running_batch, "reqs", None) or []]
     before = e.controller.level
-    if e.controller.tick(now, running, len(scheduler.waiting_queue), left):
+    if e.controller.tick(now, running, len(scheduler.waiting_queue)):
         logger.info("vskipper: elastic depth level %d -> %d: %s", before, e.controller.level, e.controller.reason)
 
 
