@@ -3,9 +3,9 @@
 1. Upstream first, on this machine in this run: its saturated capacity, then the highest offered rate
    (a fraction of that capacity, `SEARCH`) at which its p90 TPOT still meets the target: R. Each rate
    is measured up to three times and judged by the majority (two meeting, or two missing, settle it):
-   one noisy p90 must neither end the search nor carry it past the knee. (A first search took a
-   rate as met on one probe and as missed only on two: R landed where the ramp then saw upstream miss
-   the target, 364-392 ms against 309 ms.) `--tpot-ms auto` places the target at the knee of upstream's latency:
+   one noisy p90 must neither end the search nor carry it past the knee (a search that took a rate
+   as met on one probe put R where the ramp then saw upstream miss the target). `--tpot-ms auto`
+   places the target at the knee of upstream's latency:
    `MARGIN` x its p90 TPOT at `KNEE` x its capacity (the median of three measurements: near the
    knee one p90 moved from 200 to 330 ms between two runs). (Below the knee a CPU server's p90 TPOT hardly
    moves with load, so a target set there, 2.5x its TPOT alone, was met at every step of the ramp.)
