@@ -35,21 +35,23 @@ def test_ramp_pools_its_rounds_in_random_order_and_sums_route_counts(monkeypatch
 
     calls, counters = [], {"up": [0.0, 0.0], "el": [0.0, 0.0]}
 
-    def measure(client, url, rows, rate, seed):
+    def measure(client, url, rows, rate, seed, warm):
+        assert warm == 0
         calls.append((url, rate, seed))
         r = sum(1 for u, _, _ in calls if u == url)  # this server's r-th run
         if url == "el":
             counters["el"][0] += 30.0
             counters["el"][1] += 10.0 * r
         tpot = [0.010 * r] * 9 + [0.100 * r]
-        return {"tpot_p90_ms": 1e3 * er.quantile(tpot, 0.9), "tpot_s": tpot, "ttft_s": [0.5] * 10, "tok_s": 6.0 * r,
+        return {"tpot_p90_ms": 1e3 * er.quantile(tpot, 0.9), "tpot_p90_all_ms": 0.0, "tpot_s": tpot,
+                "ttft_s": [0.5] * 10, "tok_s": 6.0 * r,
                 "failed": 0, "texts": ["zzzz" if url == "el" and r == 2 else "abcd"] * 10}
 
     monkeypatch.setattr(er, "measure", measure)
     monkeypatch.setattr(er, "route_counts", lambda url: tuple(counters[url]))
     monkeypatch.setattr(er, "level_tokens", lambda url: {"0": counters[url][0], "4": counters[url][1]})
     client = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda t: [ord(c) for c in t]))
-    rows_for = lambda rate, seed: [seed] * 10  # noqa: E731
+    rows_for = lambda rate, seed: ([seed] * 10, 0)  # noqa: E731
     done = er.ramp(client, {"upstream": SimpleNamespace(url="up"), "elastic": SimpleNamespace(url="el")},
                    (0.5,), 2.0, rows_for, probes=2, seed=0, rounds=2)
     assert [(u, s) for u, _, s in calls] == [(calls[0][0], 10), (calls[1][0], 10), (calls[2][0], 1010),
@@ -81,7 +83,7 @@ def test_ramp_search_judges_each_rate_by_the_majority_of_three_and_reports_every
             return SimpleNamespace(per_request=[(True, 0.0, t * (r.output_len - 1), r.output_len, 0.0) for r in rows],
                                    output_throughput=1.0, texts=())
 
-    rows = lambda rate: [SimpleNamespace(output_len=5)] * 3  # noqa: E731
+    rows = lambda rate: ([SimpleNamespace(output_len=5)] * 3, 0)  # noqa: E731
     # 1: met, met; 2: miss, met, met; 3: met, miss, miss (one lucky p90, then the knee); 4 never tried
     fake = Fake([0.010, 0.020, 0.050, 0.020, 0.030, 0.030, 0.060, 0.070, 0.001])  # seconds per token
     rate, curve = find_rate(fake, "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2, 0.3, 0.4))
@@ -92,3 +94,68 @@ def test_ramp_search_judges_each_rate_by_the_majority_of_three_and_reports_every
     rate, _ = find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2),
                         strict=False)  # a smoke run goes on from the lowest rate searched
     assert rate == 1.0
+
+
+def test_measure_leaves_the_warm_up_out_of_the_figures_but_not_out_of_failures_or_the_whole_step_p90():
+    from types import SimpleNamespace
+
+    from benchmarks.serving.elastic_ramp import measure
+
+    per = [(True, 1.0, 1.0 + 0.9 * 9, 10, 0.0), (False, 0.0, 0.0, 0, 0.0)] + \
+          [(True, 0.1, 0.1 + 0.01 * 9, 10, 0.0)] * 8  # two warm-up rows (one slow, one failed), eight measured
+    client = SimpleNamespace(run=lambda url, rows, concurrency, rate, seed: SimpleNamespace(
+        per_request=per, output_throughput=5.0, texts=tuple("wwabcdefgh")))
+    rows = [SimpleNamespace(output_len=10)] * 10
+    m = measure(client, "u", rows, 2.0, 0, warm=2)
+    assert m["tpot_p90_ms"] == pytest.approx(10.0) and m["tpot_p90_all_ms"] == pytest.approx(900.0)
+    assert m["ttft_p90_s"] == pytest.approx(0.1) and len(m["tpot_s"]) == 8 and m["failed"] == 1
+    assert m["texts"] == list("abcdefgh")
+    assert measure(client, "u", rows, 2.0, 0)["tpot_p90_ms"] == pytest.approx(900.0)  # no warm-up: all counted
+
+
+def test_counted_reads_the_route_counters_when_the_first_measured_request_is_sent(monkeypatch):
+    """counted: with a warm-up the counters are read at the first measured request's arrival (a timer,
+    while the load runs), so the skip fraction and tokens per level are the measured requests'; a run
+    that ends before that time counts nothing."""
+    import time
+    from types import SimpleNamespace
+
+    import benchmarks.serving.elastic_ramp as er
+
+    readings = iter([(10.0, 0.0), (30.0, 10.0), (50.0, 10.0), (50.0, 10.0)])
+    seen = []
+    monkeypatch.setattr(er, "route_counts", lambda url: (seen.append(time.monotonic()), next(readings))[1])
+    monkeypatch.setattr(er, "level_tokens", lambda url: {"0": float(len(seen))})
+
+    def measure(client, url, rows, rate, seed, warm):
+        t0 = time.monotonic()
+        while len(seen) < 1 and time.monotonic() - t0 < 5:  # the load runs until the timer has read
+            time.sleep(0.01)
+        return {"ran": (t0, time.monotonic())}
+
+    monkeypatch.setattr(er, "measure", measure)
+    srv = SimpleNamespace(url="u")
+    m = er.counted(None, srv, [0] * 10, 1000.0, 0, warm=2)  # the third arrival: a few ms in
+    assert seen[0] > m["ran"][0] and m["routes"] == [20.0, 10.0] and m["levels"] == {"0": 1.0}
+    monkeypatch.setattr(er, "measure", lambda client, url, rows, rate, seed, warm: {})
+    m = er.counted(None, srv, [0] * 10, 0.001, 0, warm=2)  # the warm-up would last an hour: cancelled
+    assert m["routes"] == [0.0, 0.0]
+
+
+def test_ramp_search_starts_from_a_floor_known_to_meet_the_target():
+    from types import SimpleNamespace
+
+    from benchmarks.serving.elastic_ramp import find_rate
+
+    warms = []
+
+    def run(url, rows, concurrency, rate, seed):
+        return SimpleNamespace(per_request=[(True, 0.0, 0.060 * 4, 5, 0.0)] * len(rows), output_throughput=1.0,
+                               texts=())
+
+    def rows(rate):
+        warms.append(rate)
+        return [SimpleNamespace(output_len=5)] * 4, 1
+    rate, curve = find_rate(SimpleNamespace(run=run), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.9, 1.0),
+                            floor=8.0)
+    assert rate == 8.0 and len(curve) == 2 and warms == [9.0, 9.0]  # 0.9x missed twice: R stays at the floor

@@ -1,14 +1,14 @@
 """Elastic depth under a load ramp (issue: elastic depth), through SGLang's own client (client.py).
 
-1. Upstream first, on this machine in this run: its saturated capacity, then the highest offered rate
+1. Upstream first, on this machine in this run, the ramp's servers already up beside it (all but the
+   elastic one, which takes the target at start): its saturated capacity, then the highest offered rate
    (a fraction of that capacity, `SEARCH`) at which its p90 TPOT still meets the target: R. Each rate
    is measured up to three times and judged by the majority (two meeting, or two missing, settle it):
-   one noisy p90 must neither end the search nor carry it past the knee (a search that took a rate
-   as met on one probe put R where the ramp then saw upstream miss the target). `--tpot-ms auto`
-   places the target at the knee of upstream's latency:
-   `MARGIN` x its p90 TPOT at `KNEE` x its capacity (the median of three measurements: near the
-   knee one p90 moved from 200 to 330 ms between two runs). (Below the knee a CPU server's p90 TPOT hardly
-   moves with load, so a target set there, 2.5x its TPOT alone, was met at every step of the ramp.)
+   one noisy p90 must neither end the search nor carry it past the knee. `--tpot-ms auto` places the
+   target at the knee of upstream's latency: `MARGIN` x its p90 TPOT at `KNEE` x its capacity (the
+   median of three measurements: near the knee one p90 moved from 200 to 330 ms between two runs), so
+   `KNEE` x capacity meets it by two of three and the search starts above it. (Below the knee a CPU
+   server's p90 TPOT hardly moves with load, so a target set there was met at every step of the ramp.)
 2. Servers side by side (one CPU thread each, --sleep-on-idle, /metrics on): upstream; vskipper held
    at level 0 (rate 0 over the routed layers: vskipper's engine path, nothing skipped); per skipper
    (RandomSkip 0.5 over the second half of the layers, and on the bundled model the shipped trained
@@ -17,13 +17,18 @@
    first if this CPU has none.
 3. `--rounds` rounds over the steps; in each, the steps in a random order and, per step, the servers in a
    random order (seeded). A step offers `STEPS` x R req/s (seeded Poisson arrivals, pinned output
-   lengths; the same requests to every server in a round, new ones in the next) for `--step-seconds` of
-   arrivals: max(`--requests`, rate x seconds) requests. (A fixed count at every step would keep the
-   lowest step's arrivals going 6x as long as the highest's.) Per step and system, over the requests of
-   all its rounds (one 30 s step's p90 moved by 20-30% between runs): p50/p90 TPOT and TTFT, output
-   tok/s, the skip fraction of routed-layer work (the servers' route counters on /metrics, before and
-   after each run), tokens per elastic level, greedy agreement with upstream on a fixed probe subset
-   (the first `--probes` requests of every step are the same prompts), and each round's own p90.
+   lengths; the same requests to every server in a round, new ones in the next): `--warmup-seconds` of
+   arrivals that are not counted, then `--step-seconds` of measured ones (at least `--requests`). The
+   warm-up makes a step's figures the server's steady state at that load: every step starts from an idle
+   server, and elastic depth starts every busy spell at level 0 and decides after some seconds of steps,
+   so a burst measured from idle judges the first seconds' transient more than the load (the p90 over
+   every request, warm-up included, is reported beside it). (A fixed count at every step would keep the
+   lowest step's arrivals going 6x as long as the highest's.) Per step and system, over the measured
+   requests of all its rounds (one 30 s step's p90 moved by 20-30% between runs): p50/p90 TPOT and TTFT,
+   output tok/s, the skip fraction of routed-layer work (the servers' route counters on /metrics, read
+   when the first measured request is sent and after the run), tokens per elastic level, greedy agreement
+   with upstream on a fixed probe subset (the first `--probes` measured requests of every step are the
+   same prompts), and each round's own p90.
 4. A table per skipper, results.json, a figure (p90 TPOT and skip fraction against offered load, the
    target drawn) and the page docs/results/elastic-ramp.md.
 `--smoke`: tiny sizes, RandomSkip only (a check that the script runs, not a measurement).
@@ -53,23 +58,28 @@ def quantile(xs: list[float], q: float) -> float:
     return s[max(0, math.ceil(q * len(s)) - 1)]
 
 
-def measure(client, url: str, rows: list, rate: float, seed: int) -> dict:
+def measure(client, url: str, rows: list, rate: float, seed: int, warm: int = 0) -> dict:
     """One load on one server: per-request TPOT (s per token after the first) and TTFT, output tok/s,
-    the generated texts (greedy), failures."""
+    the generated texts (greedy), failures. The first `warm` rows are the warm-up: sent at the same rate
+    before the measured ones and not counted (but for `tpot_p90_all_ms`, over every request, and failures)."""
     res = client.run(url, rows, concurrency=None, rate=rate, seed=seed)
-    ok = [(ttft, e2e, n) for (good, ttft, e2e, n, _), row in zip(res.per_request, rows)
+    ok = [(i >= warm, ttft, e2e, n) for i, ((good, ttft, e2e, n, _), row) in enumerate(zip(res.per_request, rows))
           if good and n == row.output_len]
-    tpot = [(e2e - ttft) / max(1, n - 1) for ttft, e2e, n in ok]
+    every = [(e2e - ttft) / max(1, n - 1) for _, ttft, e2e, n in ok]
+    tpot = [t for t, (counted, *_) in zip(every, ok) if counted]
+    ttfts = [ttft for counted, ttft, _, _ in ok if counted]
     return {"tpot_p50_ms": quantile(tpot, 0.5) * 1e3, "tpot_p90_ms": quantile(tpot, 0.9) * 1e3,
-            "ttft_p50_s": quantile([t for t, _, _ in ok], 0.5), "ttft_p90_s": quantile([t for t, _, _ in ok], 0.9),
-            "tok_s": res.output_throughput, "failed": len(rows) - len(ok), "texts": list(res.texts),
-            "tpot_s": tpot, "ttft_s": [t for t, _, _ in ok]}
+            "tpot_p90_all_ms": quantile(every, 0.9) * 1e3,
+            "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9),
+            "tok_s": res.output_throughput, "failed": len(rows) - len(ok), "texts": list(res.texts[warm:]),
+            "tpot_s": tpot, "tpot_all_s": every, "ttft_s": ttfts}
 
 
 def pool(rounds: list[dict], probes: int) -> dict:
     """One step's figures for one system from its rounds: quantiles over every request of every round,
     output tok/s averaged, failures, route counts and tokens per level summed; `texts` the probes'."""
     tpot = [x for m in rounds for x in m["tpot_s"]]
+    every = [x for m in rounds for x in m.get("tpot_all_s", m["tpot_s"])]
     ttft = [x for m in rounds for x in m["ttft_s"]]
     levels: dict[str, float] = {}
     for m in rounds:
@@ -77,6 +87,7 @@ def pool(rounds: list[dict], probes: int) -> dict:
             levels[k] = levels.get(k, 0.0) + v
     run, project = (sum(m["routes"][i] for m in rounds) for i in (0, 1))
     return {"tpot_p50_ms": quantile(tpot, 0.5) * 1e3, "tpot_p90_ms": quantile(tpot, 0.9) * 1e3,
+            "tpot_p90_all_ms": quantile(every, 0.9) * 1e3,
             "ttft_p50_s": quantile(ttft, 0.5), "ttft_p90_s": quantile(ttft, 0.9),
             "tok_s": sum(m["tok_s"] for m in rounds) / len(rounds), "failed": sum(m["failed"] for m in rounds),
             "skip": project / (run + project) if run + project else None, "levels": shares(levels, {}),
@@ -123,16 +134,18 @@ def capacity(client, url: str, rows: list, seed: int) -> float:
 
 
 def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: int, search=SEARCH,
-              strict: bool = True) -> tuple[float, list]:
+              strict: bool = True, floor: float | None = None) -> tuple[float, list]:
     """Upstream's highest rate (of `search` x its saturated capacity `cap`) whose p90 TPOT meets the
     target by the majority of up to three measurements, the first rate missing it by that majority
-    ending the search (strict=False, for a smoke run: the lowest rate searched when none does).
-    rows_for(rate): the requests to offer at that rate."""
-    best, curve = None, []
+    ending the search; `floor` (req/s): a rate already known to meet it, R when no rate searched does
+    (strict=False, for a smoke run: the lowest rate searched when none does and there is no floor).
+    rows_for(rate): (the requests to offer at that rate, how many at their head are the warm-up)."""
+    best, curve = floor, []
     for f in search:
         met = missed = 0
         for attempt in range(3):
-            m = measure(client, url, rows_for(f * cap), f * cap, seed + 1 + attempt)
+            rows, warm = rows_for(f * cap)
+            m = measure(client, url, rows, f * cap, seed + 1 + attempt, warm)
             curve.append((f * cap, m["tpot_p90_ms"]))
             log(f"  {f * cap:.3f} req/s ({f:g}x capacity): p90 TPOT {m['tpot_p90_ms']:.1f} ms")
             met, missed = (met + 1, missed) if m["tpot_p90_ms"] <= target_ms else (met, missed + 1)
@@ -150,7 +163,7 @@ def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: in
     return best, curve
 
 
-def systems_for(model: str, name: str, spec: str, target_ms: float, level0: str | None) -> list[System]:
+def systems_for(model: str, name: str, spec: str, target_ms: float, level0: str | None = None) -> list[System]:
     """One skipper's servers: upstream, vskipper at level 0 (when `level0`: its spec), the skipper at
     fixed depth and elastic."""
     on = (("VSKIPPER_STATS_INTERVAL", "8"),)
@@ -164,11 +177,46 @@ def systems_for(model: str, name: str, spec: str, target_ms: float, level0: str 
     return out
 
 
+def counted(client, srv, rows: list, rate: float, seed: int, warm: int) -> dict:
+    """measure() on one server, with its route counters and tokens per level over the measured requests:
+    read before the run, or, with a warm-up, when the first measured request is sent (its arrival time,
+    drawn as the client draws it), and after the run."""
+    import threading
+
+    import numpy as np
+
+    from benchmarks.serving.client import _arrivals
+
+    before: dict = {}
+
+    def read():
+        before.update(routes=route_counts(srv.url), levels=level_tokens(srv.url))
+
+    timer = None
+    if warm:
+        timer = threading.Timer(_arrivals(len(rows), rate, np.random.default_rng(seed))[warm], read)
+        timer.start()
+    else:
+        read()
+    try:
+        m = measure(client, srv.url, rows, rate, seed, warm)
+    finally:
+        if timer is not None:
+            timer.cancel()
+            timer.join()
+    if not before:  # every request was sent before the timer's thread ran: count from here (nothing)
+        read()
+    m["routes"] = [a - b for a, b in zip(route_counts(srv.url), before["routes"])]
+    m["levels"] = {k: v - before["levels"].get(k, 0.0) for k, v in level_tokens(srv.url).items()}
+    return m
+
+
 def ramp(client, servers: dict, steps, rate: float, rows_for, probes: int, seed: int, rounds: int = 1) -> list[dict]:
     """`rounds` rounds over the steps, each round's steps in a random order and each step's servers in a
     random order (seeded), every server offered the same requests at the same arrival times in a round
     (new ones in the next); per step and system the rounds' requests pooled (`pool`), and greedy agreement
-    with upstream on the first `probes` requests of every round."""
+    with upstream on the first `probes` measured requests of every round. rows_for(rate, seed): (the
+    requests, how many of them, at their head, are the warm-up)."""
     rng = random.Random(seed)
     names = list(servers)
     got: dict[float, dict[str, list]] = {f: {name: [] for name in names} for f in steps}
@@ -176,18 +224,15 @@ def ramp(client, servers: dict, steps, rate: float, rows_for, probes: int, seed:
     for r in range(rounds):
         for f in rng.sample(list(steps), len(steps)):
             s = seed + 10 + steps.index(f) + 1000 * r
-            rows = rows_for(f * rate, s)
-            count[f] += len(rows)
+            rows, warm = rows_for(f * rate, s)
+            count[f] += len(rows) - warm
             for name in rng.sample(names, len(names)):
-                srv = servers[name]
-                before, levels = route_counts(srv.url), level_tokens(srv.url)
-                m = measure(client, srv.url, rows, f * rate, s)
-                m["routes"] = [a - b for a, b in zip(route_counts(srv.url), before)]
-                m["levels"] = {k: v - levels.get(k, 0.0) for k, v in level_tokens(srv.url).items()}
+                m = counted(client, servers[name], rows, f * rate, s, warm)
                 got[f][name].append(m)
                 run, project = m["routes"]
                 skip = f"{project / (run + project):.2f}" if run + project else "-"
-                log(f"round {r + 1}/{rounds}, {f:g}x R, {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms, skip {skip}"
+                log(f"round {r + 1}/{rounds}, {f:g}x R, {name}: p90 TPOT {m['tpot_p90_ms']:.1f} ms "
+                    f"({m['tpot_p90_all_ms']:.1f} with the warm-up), skip {skip}"
                     + (f", levels {shares(m['levels'], {})}" if shares(m["levels"], {}) else ""))
     done = []
     for f in steps:
@@ -210,12 +255,13 @@ def table(steps: list[dict], names: list[str], target_ms: float) -> str:
             n = f", {st['requests']} req" if "requests" in st else ""
             rows.append([f"{st['multiple']:g}x ({st['rate']:.3f}/s{n})", name, f"{m['tpot_p50_ms']:.0f}",
                          f"{m['tpot_p90_ms']:.0f}" + (" *" if m["tpot_p90_ms"] > target_ms else ""),
+                         "-" if m.get("tpot_p90_all_ms") is None else f"{m['tpot_p90_all_ms']:.0f}",
                          f"{m['ttft_p50_s']:.2f}", f"{m['ttft_p90_s']:.2f}", f"{m['tok_s']:.1f}",
                          "-" if m.get("skip") is None else f"{m['skip']:.3f}",
                          "-" if m.get("agreement") is None else f"{m['agreement']:.2f}", m.get("levels") or "-",
                          m["failed"], "/".join(f"{p:.0f}" for p in m.get("round_p90_ms", [])) or "-"])
-    return R.table(["offered load (x R)", "system", "TPOT p50 ms", "TPOT p90 ms", "TTFT p50 s", "TTFT p90 s",
-                    "output tok/s", "skip fraction", "agreement", "tokens per level", "failed",
+    return R.table(["offered load (x R)", "system", "TPOT p50 ms", "TPOT p90 ms", "with warm-up", "TTFT p50 s",
+                    "TTFT p90 s", "output tok/s", "skip fraction", "agreement", "tokens per level", "failed",
                     "p90 TPOT per round ms"], rows)
 
 
@@ -253,6 +299,8 @@ def main(argv=None) -> None:
                     help="seconds of arrivals per step and system (default 60)")
     ap.add_argument("--skippers", default="random,trained",
                     help="which skippers: random (RandomSkip 0.5), trained (the shipped one), or both")
+    ap.add_argument("--warmup-seconds", type=float, default=20.0,
+                    help="seconds of arrivals before each step's measured ones, not counted (default 20)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--probes", type=int, default=8, help="fixed prompts at the head of every step (agreement)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -276,7 +324,7 @@ def main(argv=None) -> None:
     steps, search = STEPS, SEARCH
     if args.smoke:
         args.requests, args.max_new_tokens, args.probes, steps, search, trained = 4, 8, 2, (0.5, 1.5), (0.3, 0.6), None
-        args.step_seconds, args.rounds = 1.0, 2
+        args.step_seconds, args.warmup_seconds, args.rounds = 1.0, 1.0, 2
     n = read_config(args.model)["num_hidden_layers"]
     wanted = args.skippers.split(",")
     if not wanted or not set(wanted) <= {"random", "trained"}:
@@ -293,57 +341,79 @@ def main(argv=None) -> None:
     client = Client(args.model, args.out / "client")
     probe_rows = client.prompt_rows(args.probes, args.max_new_tokens, args.seed + 999)
 
-    def rows_of(seed: int, n: int = args.requests) -> list:
-        return probe_rows + client.prompt_rows(max(1, n - args.probes), args.max_new_tokens, seed)
+    def rows_at(rate: float, seed: int) -> tuple[list, int]:
+        """The requests offered at `rate` (req/s; inf: all at once, twice the fewest) and how many at their
+        head are the warm-up: --warmup-seconds of arrivals, then --step-seconds of them (at least
+        --requests), the probes first."""
+        n = 2 * args.requests if math.isinf(rate) else max(args.requests, round(rate * args.step_seconds))
+        warm = 0 if math.isinf(rate) else round(rate * args.warmup_seconds)
+        warmup = client.prompt_rows(warm, args.max_new_tokens, seed + 500) if warm else []
+        return warmup + probe_rows + client.prompt_rows(max(1, n - args.probes), args.max_new_tokens, seed), warm
 
-    def count(rate: float) -> int:  # requests for --step-seconds of arrivals at `rate`; all at once: 2x the fewest
-        return 2 * args.requests if math.isinf(rate) else max(args.requests, round(rate * args.step_seconds))
-    up = start_all([System("upstream", args.model, label="upstream", args=("--enable-metrics",))], args.out / "logs",
-                   threads=SERVER_THREADS, log_level="info")["upstream"]
-    try:
-        cap = capacity(client, up.url, rows_of(args.seed, count(math.inf)), args.seed)
-        if args.tpot_ms == "auto":
-            knee = sorted(measure(client, up.url, rows_of(args.seed, count(KNEE * cap)), KNEE * cap,
-                                  args.seed + 100 + i)["tpot_p90_ms"] for i in range(3))
-            target = MARGIN * knee[1]
-            log(f"upstream's p90 TPOT at {KNEE:g}x capacity: {', '.join(f'{p:.1f}' for p in knee)} ms (median kept)")
-        else:
-            target = float(args.tpot_ms)
-        log(f"target: p90 TPOT <= {target:.1f} ms")
-        rate, curve = find_rate(client, up.url, lambda r: rows_of(args.seed, count(r)), target, cap, args.seed,
-                                search, strict=not args.smoke)
-    finally:
-        stop(up)
-    how = (f"{MARGIN:g}x upstream's median p90 TPOT of 3 runs at {KNEE:g}x its saturated capacity of {cap:.3f} req/s"
-           if args.tpot_ms == "auto" else "given")
-    head = (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, upstream's highest rate meeting it "
-            f"(search, req/s: p90 TPOT ms: {', '.join(f'{r:.3f}: {p:.0f}' for r, p in curve)}); "
-            f"{args.rounds} rounds, steps and servers in random order, each step {args.step_seconds:g} s of arrivals "
-            f"(at least {args.requests} requests); a step's figures pool its rounds' requests; "
-            f"{args.max_new_tokens} output tokens, the first {args.probes} the "
-            f"same prompts every step (agreement: greedy tokens reproduced before the first divergence from "
-            f"upstream's). * = p90 TPOT over the target. One skipper at a time, beside its own upstream.")
-    # One skipper at a time, each beside its own upstream: six SGLang servers at once outgrew 24 GB.
-    # The page is written after each skipper, so a run cut short keeps what it measured.
-    runs, level0 = {}, f"random:rate=0,layers={layers},seed=0"
+    def at_rate(rate: float, seed: int) -> tuple:  # measure()'s rows, rate, seed, warm
+        rows, warm = rows_at(rate, seed)
+        return rows, rate, seed, warm
+
+    level0 = f"random:rate=0,layers={layers},seed=0"
+    runs, rate, md = {}, None, ""
     for k, (name, spec) in enumerate(skippers.items()):
-        systems = systems_for(args.model, name, spec, target, level0 if k == 0 else None)
-        servers = start_all(systems, args.out / "logs", threads=SERVER_THREADS, log_level="info")
+        # Elastic takes the target at start: the others first, and on the first skipper's round the target and
+        # R are found on that upstream, the ramp's other servers up beside it (the ramp's conditions).
+        others = [s for s in systems_for(args.model, name, spec, 0.0, level0 if k == 0 else None)
+                  if not s.name.startswith("elastic")]
+        servers = start_all(others, args.out / "logs", threads=SERVER_THREADS, log_level="info")
         try:
-            runs[name] = ramp(client, servers, steps, rate, lambda r, seed: rows_of(seed, count(r)), args.probes,
-                              args.seed, args.rounds)
+            if rate is None:
+                up = servers["upstream"].url
+                cap = capacity(client, up, rows_at(math.inf, args.seed)[0], args.seed)
+                if args.tpot_ms == "auto":
+                    knee = sorted(measure(client, up, *at_rate(KNEE * cap, args.seed + 100 + i))["tpot_p90_ms"]
+                                  for i in range(3))
+                    target = MARGIN * knee[1]  # met by two of these three: KNEE x cap is R's floor
+                    log(f"upstream's p90 TPOT at {KNEE:g}x capacity: {', '.join(f'{p:.1f}' for p in knee)} ms "
+                        f"(median kept)")
+                else:
+                    target = float(args.tpot_ms)
+                log(f"target: p90 TPOT <= {target:.1f} ms")
+                auto = args.tpot_ms == "auto" and not args.smoke
+                rate, curve = find_rate(client, up, lambda r: rows_at(r, args.seed), target, cap, args.seed,
+                                        tuple(f for f in search if f > KNEE) if auto else search,
+                                        strict=not args.smoke, floor=KNEE * cap if auto else None)
+                md = head(args, target, cap, rate, curve)
+            (elastic,) = [s for s in systems_for(args.model, name, spec, target) if s.name.startswith("elastic")]
+            servers.update(start_all([elastic], args.out / "logs", threads=SERVER_THREADS, log_level="info"))
+            runs[name] = ramp(client, servers, steps, rate, rows_at, args.probes, args.seed, args.rounds)
         finally:
             for srv in servers.values():
                 stop(srv)
-        md = head
+        page = md
         for j, (skipper, done) in enumerate(runs.items()):
             png = "elastic-ramp.png" if j == 0 else f"elastic-ramp-{skipper}.png"
             names = list(done[0]["systems"])
-            md += f"\n\n## {skipper} (figure: {png})\n\n" + table(done, names, target)
+            page += f"\n\n## {skipper} (figure: {png})\n\n" + table(done, names, target)
             plot(done, names, target, args.out / png)
-        print(md)
+        print(page)
         R.write_results("elastic-ramp", {"target_ms": target, "capacity": cap, "rate": rate, "search": curve,
-                                         "runs": runs, "smoke": args.smoke}, md, args.out, R.docs_dir(args))
+                                         "runs": runs, "smoke": args.smoke}, page, args.out, R.docs_dir(args))
+
+
+def head(args, target: float, cap: float, rate: float, curve: list) -> str:
+    """The page's first paragraph: how the target and R were found, how the steps were offered."""
+    how = (f"{MARGIN:g}x upstream's median p90 TPOT of 3 runs at {KNEE:g}x its saturated capacity of {cap:.3f} req/s"
+           if args.tpot_ms == "auto" else "given")
+    floor = (f"; {KNEE:g}x capacity meets it by that construction, so the search starts above it"
+             if args.tpot_ms == "auto" and not args.smoke else "")
+    curve_s = ", ".join(f"{r:.3f}: {p:.0f}" for r, p in curve)
+    return (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, upstream's highest rate meeting it "
+            f"by the majority of up to 3 runs (search on the ramp's upstream, its other servers up{floor}; "
+            f"req/s: p90 TPOT ms: {curve_s}); {args.rounds} rounds, steps and servers in random order; each step "
+            f"{args.warmup_seconds:g} s of warm-up arrivals (not counted) then {args.step_seconds:g} s of measured "
+            f"ones (at least {args.requests} requests), so a step's figures are the server's steady state at that "
+            f"load, not a burst from idle ('with warm-up': p90 TPOT over every request of the step); a step's "
+            f"figures pool its rounds' requests; {args.max_new_tokens} output tokens, the first {args.probes} "
+            f"measured the same prompts every step (agreement: greedy tokens reproduced before the first "
+            f"divergence from upstream's). * = p90 TPOT over the target. One skipper at a time, beside its own "
+            f"upstream.")
 
 
 def _cuda() -> bool:
