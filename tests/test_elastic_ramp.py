@@ -159,3 +159,12 @@ def test_ramp_search_starts_from_a_floor_known_to_meet_the_target():
     rate, curve = find_rate(SimpleNamespace(run=run), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.9, 1.0),
                             floor=8.0)
     assert rate == 8.0 and len(curve) == 2 and warms == [9.0, 9.0]  # 0.9x missed twice: R stays at the floor
+
+
+@pytest.mark.parametrize("argv", [["--rate", "2"], ["--rate", "0", "--tpot-ms", "300"], ["--rounds", "0"]])
+def test_ramp_refuses_a_given_rate_without_its_target_and_rounds_below_one(argv, capsys):
+    from benchmarks.serving.elastic_ramp import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert ("--rate" if "--rate" in argv else "--rounds") in capsys.readouterr().err

@@ -294,6 +294,9 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--tpot-ms", default="auto", help="the TPOT target in ms, or 'auto' (see above)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="R in req/s, given (with a numeric --tpot-ms): no search; e.g. the trained skipper's ramp "
+                         "at an earlier run's target and R")
     ap.add_argument("--requests", type=int, default=12, help="the fewest requests per step and system")
     ap.add_argument("--step-seconds", type=float, default=60.0,
                     help="seconds of arrivals per step and system (default 60)")
@@ -311,6 +314,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give at least 1")
+    if args.rate is not None and not (args.rate > 0 and args.tpot_ms != "auto"):
+        ap.error(f"--rate {args.rate}: give a positive rate in req/s, with the target it was found for (--tpot-ms MS)")
     from benchmarks.serving.client import Client
     from vskipper.first_start import ensure_calibration
     from vskipper.models.checkpoint import read_config
@@ -355,11 +360,14 @@ def main(argv=None) -> None:
         return rows, rate, seed, warm
 
     level0 = f"random:rate=0,layers={layers},seed=0"
-    runs, rate, md = {}, None, ""
-    for k, (name, spec) in enumerate(skippers.items()):
+    runs, rate, md, cap, curve = {}, args.rate, "", None, []
+    if rate is not None:
+        target = float(args.tpot_ms)
+        md = head(args, target, cap, rate, curve)
+    for name, spec in skippers.items():
         # Elastic takes the target at start: the others first, and on the first skipper's round the target and
         # R are found on that upstream, the ramp's other servers up beside it (the ramp's conditions).
-        others = [s for s in systems_for(args.model, name, spec, 0.0, level0 if k == 0 else None)
+        others = [s for s in systems_for(args.model, name, spec, 0.0, level0 if name == "random" else None)
                   if not s.name.startswith("elastic")]
         servers = start_all(others, args.out / "logs", threads=SERVER_THREADS, log_level="info")
         try:
@@ -387,14 +395,15 @@ def main(argv=None) -> None:
             for srv in servers.values():
                 stop(srv)
         page = md
-        for j, (skipper, done) in enumerate(runs.items()):
-            png = "elastic-ramp.png" if j == 0 else f"elastic-ramp-{skipper}.png"
+        for skipper, done in runs.items():
+            png = "elastic-ramp.png" if skipper == "random" else f"elastic-ramp-{skipper}.png"
             names = list(done[0]["systems"])
             page += f"\n\n## {skipper} (figure: {png})\n\n" + table(done, names, target)
             plot(done, names, target, args.out / png)
         print(page)
-        R.write_results("elastic-ramp", {"target_ms": target, "capacity": cap, "rate": rate, "search": curve,
-                                         "runs": runs, "smoke": args.smoke}, page, args.out, R.docs_dir(args))
+        R.write_results("elastic-ramp" if "random" in skippers else "elastic-ramp-trained",
+                        {"target_ms": target, "capacity": cap, "rate": rate, "search": curve, "runs": runs,
+                         "smoke": args.smoke}, page, args.out, R.docs_dir(args))
 
 
 def head(args, target: float, cap: float, rate: float, curve: list) -> str:
@@ -404,16 +413,17 @@ def head(args, target: float, cap: float, rate: float, curve: list) -> str:
     floor = (f"; {KNEE:g}x capacity meets it by that construction, so the search starts above it"
              if args.tpot_ms == "auto" and not args.smoke else "")
     curve_s = ", ".join(f"{r:.3f}: {p:.0f}" for r, p in curve)
-    return (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, upstream's highest rate meeting it "
-            f"by the majority of up to 3 runs (search on the ramp's upstream, its other servers up{floor}; "
-            f"req/s: p90 TPOT ms: {curve_s}); {args.rounds} rounds, steps and servers in random order; each step "
-            f"{args.warmup_seconds:g} s of warm-up arrivals (not counted) then {args.step_seconds:g} s of measured "
-            f"ones (at least {args.requests} requests), so a step's figures are the server's steady state at that "
-            f"load, not a burst from idle ('with warm-up': p90 TPOT over every request of the step); a step's "
-            f"figures pool its rounds' requests; {args.max_new_tokens} output tokens, the first {args.probes} "
-            f"measured the same prompts every step (agreement: greedy tokens reproduced before the first "
-            f"divergence from upstream's). * = p90 TPOT over the target. One skipper at a time, beside its own "
-            f"upstream.")
+    found = ("given (--rate: found by an earlier run at this target)" if args.rate is not None else
+             f"upstream's highest rate meeting it by the majority of up to 3 runs (search on the ramp's upstream, "
+             f"its other servers up{floor}; req/s: p90 TPOT ms: {curve_s})")
+    return (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, {found}; {args.rounds} rounds, "
+            f"steps and servers in random order; each step {args.warmup_seconds:g} s of warm-up arrivals (not "
+            f"counted) then {args.step_seconds:g} s of measured ones (at least {args.requests} requests), so a "
+            f"step's figures are the server's steady state at that load, not a burst from idle ('with warm-up': "
+            f"p90 TPOT over every request of the step); a step's figures pool its rounds' requests; "
+            f"{args.max_new_tokens} output tokens, the first {args.probes} measured the same prompts every step "
+            f"(agreement: greedy tokens reproduced before the first divergence from upstream's). * = p90 TPOT over "
+            f"the target. One skipper at a time, beside its own upstream.")
 
 
 def _cuda() -> bool:
