@@ -113,8 +113,10 @@ def last_setting_stats(err: str) -> dict[str, tuple[float, int, int]]:
 def test_mixed_batch_opted_out_request_is_upstream_and_neighbours_are_the_reference(tmp_path, capfd, static):
     """One batch of six requests: default, skip false and max_skip 0.25 (1 of the 4 routed layers may
     be skipped) mixed. Then a second batch whose skip-false requests extend prefixes that default
-    requests put in the radix cache. static=1: the graph-safe body (fixed shapes, the decode budgets
-    read from the fixed buffer) under the host-sync guard."""
+    requests put in the radix cache. Then a batch of skip-false requests only: its rows all have budget
+    0, so the routed layers run as SGLang's own (which mixed batches never do), counted as forced.
+    static=1: the graph-safe body (fixed shapes, the decode budgets read from the fixed buffer) under
+    the host-sync guard."""
     from vskipper.models.hf_loader import save_checkpoint
     from vskipper.reference import reference_generate
 
@@ -128,20 +130,26 @@ def test_mixed_batch_opted_out_request_is_upstream_and_neighbours_are_the_refere
     g = torch.Generator().manual_seed(7)
     first = [torch.randint(1, VOCAB, (n,), generator=g) for n in (5, 11, 3, 17, 8, 1)]
     second = [torch.cat([first[i], torch.randint(1, VOCAB, (4,), generator=g)]) for i in (0, 2, 3)]
+    third = [torch.randint(1, VOCAB, (n,), generator=g) for n in (9, 2, 14)]
     opt_out, capped = {"skip": False}, {"max_skip": 0.25}
     settings1 = [None, opt_out, None, capped, opt_out, capped]
     settings2 = [opt_out, opt_out, None]
     with engine(tmp_path / "stock") as eng:
         upstream1, upstream2 = generate(eng, first, [None] * 6), generate(eng, second, [None] * 3)
+        upstream3 = generate(eng, third, [None] * 3)
     env = dict(VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES=static, VSKIPPER_STATS_INTERVAL="1")
     if static == "1":
         env["VSKIPPER_CHECK_SYNC"] = "1"
     with engine(path, log_level="info", **env) as eng:
         capfd.readouterr()
         out1 = generate(eng, first, settings1)
-        stats1 = last_setting_stats(capfd.readouterr().err)
+        mixed = capfd.readouterr().err
+        stats1 = last_setting_stats(mixed)
         generate(eng, first, [None] * 6)  # the prefixes, computed with skipping, in the radix cache
         out2 = generate(eng, second, settings2)
+        mixed += capfd.readouterr().err
+        out3 = generate(eng, third, [opt_out] * 3)
+        plain = capfd.readouterr().err
     budgets = {None: None, "skip": 0, "max_skip": 1}  # of 4 routed layers
     waves = ((first, settings1, out1, upstream1), (second, settings2, out2, upstream2))
     for prompts, settings, outs, upstream in waves:
@@ -157,6 +165,12 @@ def test_mixed_batch_opted_out_request_is_upstream_and_neighbours_are_the_refere
     assert stats1["capped"][0] <= 0.25 and stats1["capped"][0] > 0, stats1
     assert stats1["default"][0] > 0.25 and stats1["default"][2] == 0, stats1
     assert stats1["no_skip"][0] == 0 and stats1["no_skip"][2] == stats1["no_skip"][1] > 0, stats1
+    assert out3 == upstream3, f"every request skip false: {out3} != upstream {upstream3}"
+    assert "as SGLang's layers" not in mixed  # a batch with a row that may skip runs the routed layers
+    steps = re.findall(r"; (\d+) layer-steps ran as SGLang's layers", plain)
+    assert steps and int(steps[-1]) > 0 and int(steps[-1]) % 4 == 0, plain[-3000:]  # all 4 routed layers each time
+    stats3 = last_setting_stats(plain)  # counted as the cap counts budget 0: every row forced, none skipped
+    assert stats3["no_skip"][0] == 0 and stats3["no_skip"][2] == stats3["no_skip"][1] > stats1["no_skip"][1], stats3
 
 
 @pytest.mark.sglang

@@ -94,7 +94,8 @@ def test_skipgpt_chunked_prefill_matches_the_reference(tmp_path, static):
 @pytest.mark.parametrize("static", ["0", "1"])
 def test_per_request_budgets_count_layers_of_both_sublayers(tmp_path, capfd, static):
     """skip false: upstream's tokens; max_skip 0.25 (1 of the 4 routed layers may skip a sublayer): the
-    reference's under budget 1; the per-setting counts are sublayer decisions, forced rows run both."""
+    reference's under budget 1; the per-setting counts are sublayer decisions, forced rows run both.
+    A batch of skip-false requests only runs SGLang's own layers and counts its rows as forced."""
     from test_per_request import NEW as N
     from test_per_request import generate, last_setting_stats
 
@@ -106,11 +107,17 @@ def test_per_request_budgets_count_layers_of_both_sublayers(tmp_path, capfd, sta
     settings = [None, opt_out, None, capped, opt_out, capped]
     with engine(tmp_path / "stock") as eng:
         upstream = generate(eng, prompts, [None] * 6)
+        upstream_plain = generate(eng, prompts[:3], [None] * 3)
     env = dict(VSKIPPER_EXECUTION="routed", VSKIPPER_STATIC_SHAPES=static, VSKIPPER_STATS_INTERVAL="1")
     with engine(path, log_level="info", **env) as eng:
         capfd.readouterr()
         outs = generate(eng, prompts, settings)
         stats = last_setting_stats(capfd.readouterr().err)
+        plain = generate(eng, prompts[:3], [opt_out] * 3)
+        plain_err = capfd.readouterr().err
+    assert plain == upstream_plain and "as SGLang's layers" in plain_err
+    plain_stats = last_setting_stats(plain_err)
+    assert plain_stats["no_skip"][0] == 0 and plain_stats["no_skip"][2] > stats["no_skip"][2], plain_stats
     budgets = {None: None, "max_skip": 1}
     for p, s, out, up in zip(prompts, settings, outs, upstream):
         if s is opt_out:

@@ -6,7 +6,13 @@ previous layer's output); at its exit `residual_batch.set_written` hands the rou
 on as a complete value, which the next layer's boundary reads as it reads an embedding. Auxiliary
 hidden-state capture (EAGLE3) receives the complete input, as SGLang's boundary gives it. Rows
 the CUDA-graph runner pads are never routed or counted (`valid_rows`); per-request budgets are
-read from the buffer the plugin fills (`request_budgets`). Shapes: T = tokens, H = hidden."""
+read from the buffer the plugin fills (`request_budgets`). A batch in which every row has a budget of
+0 (every request `skip: false`, or admitted at elastic depth's level 0) runs the decoder layer as
+SGLang runs it: the function the routed layer would compute with every row RUN, without the router,
+the cap and the body's work around the layer, which on a CPU cost a level-0 server a fifth of its
+step against upstream's; its rows are counted as the cap and the counter would have counted them.
+(Eager batches only: a captured graph keeps the routed layer it was captured with, which computes
+the same.) Shapes: T = tokens, H = hidden."""
 from __future__ import annotations
 
 import torch
@@ -57,13 +63,16 @@ class SGLangRoutedLayer(nn.Module):
     SGLang's; the traced routed layer (`graph`) is kept beside them, not as a submodule (its modules
     are these). `budgets`: the batches' per-row budget buffer (request_budgets), or None."""
 
-    def __init__(self, layer: nn.Module, graph, budgets=None) -> None:
+    def __init__(self, layer: nn.Module, graph, budgets=None, index: int | None = None) -> None:
         super().__init__()
         for name, child in layer.named_children():
             self.add_module(name, child)
         self.layer_id = getattr(layer.self_attn.attn, "layer_id", None)
         object.__setattr__(self, "graph", graph)
+        object.__setattr__(self, "plain_layer", layer)  # SGLang's own layer (its children are these)
         self.budgets = budgets
+        self.index = self.layer_id if index is None else index
+        self.plain_steps = 0  # forwards run as SGLang's layer (host-side count: the stats log)
 
     def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
@@ -71,6 +80,11 @@ class SGLangRoutedLayer(nn.Module):
         if post_residual_addition is not None:
             raise NotImplementedError(f"vskipper: routed layer {self.layer_id} got post_residual_addition "
                                       "(deepstack inputs of a vision-language model): not supported")
+        if self.budgets is not None and self.budgets.plain and not _capturing():
+            self.plain_steps += 1
+            # (hidden_states may be an output still owed its all-reduce under TP: the rows from positions)
+            self._count_plain(valid_rows(forward_batch, positions.shape[-1], positions.device))
+            return self.plain_layer(positions, hidden_states, forward_batch, capture_output=capture_output)
         h = residual_batch.fold(hidden_states, forward_batch)  # the complete hidden state [T, H]
         if capture_output is not None:
             capture_output(h)
@@ -78,3 +92,22 @@ class SGLangRoutedLayer(nn.Module):
         budget = request_budgets(self.budgets, h.shape[0])
         out = self.graph(h, forward_batch.input_ids, positions, valid, budget, forward_batch)
         return residual_batch.set_written(out, forward_batch)
+
+    def _count_plain(self, valid: torch.Tensor) -> None:
+        """Count a plain forward's rows as the graph's cap and route counter count a batch whose rows
+        all have budget 0: every real row forced to RUN (the router is not asked)."""
+        from vskipper.counters import SublayerRouteCounter
+
+        counter = self.graph.get_submodule(f"counters.{self.index}")
+        shape = valid.shape + ((2,) if isinstance(counter, SublayerRouteCounter) else ())  # sublayer decisions
+        run = torch.ones(shape, dtype=torch.bool, device=valid.device)
+        if hasattr(self.graph, "caps"):
+            budget = torch.zeros(valid.shape, dtype=torch.int32, device=valid.device)
+            self.graph.get_submodule(f"caps.{self.index}")((run.float(), run, None), valid, budget)
+        counter(run, valid, None)
+
+
+def _capturing() -> bool:
+    from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+
+    return get_is_capture_mode()

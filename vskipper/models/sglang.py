@@ -51,7 +51,7 @@ def install(model, stacks, budgets=None) -> None:
     layers = model.model.layers
     for slot, gm in stacks:
         (i,) = slot.indices
-        layers[i] = SGLangRoutedLayer(layers[i], gm, budgets)
+        layers[i] = SGLangRoutedLayer(layers[i], gm, budgets, index=i)
 
 
 FAMILIES = families_of("sglang", {"LlamaForCausalLM": "sglang.srt.models.llama",

@@ -92,6 +92,7 @@ class BatchBudgets:
         self.n_layers = n_layers
         self.rows = torch.full((rows,), n_layers, dtype=torch.int32, device=device)
         self.active = False  # does the batch being run have a request with a setting (host side)
+        self.plain = False  # is every row's budget 0, so its routed layers may run as SGLang's (host side)
         self.levels: tuple[int, ...] = ()  # elastic depth's budget per level (integrations/sglang/elastic.py)
         self._budgets = weakref.WeakKeyDictionary()  # request -> its budget, parsed once per request
 
@@ -125,6 +126,7 @@ class BatchBudgets:
         budgets = [self.budget(r) for r in batch.reqs] if mode in (ForwardMode.DECODE, ForwardMode.EXTEND,
                                                                    ForwardMode.MIXED) else []
         self.active = any(b != self.n_layers for b in budgets)
+        self.plain = bool(budgets) and not any(budgets)
         if not self.active:
             self.rows[:T].fill_(self.n_layers)
             return

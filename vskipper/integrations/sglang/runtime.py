@@ -214,6 +214,9 @@ class StatsReporter:
             st, by = vskipper.stats(self.model), vskipper.stats(self.model, by_setting=True)
             bodies = chosen_bodies(self.model)
             chosen = (f"; auto ran {', '.join(f'{b} {n}' for b, n in bodies.items())} layer-steps" if bodies else "")
+            plain = sum(getattr(layer, "plain_steps", 0) for layer in self.model.model.layers)
+            if plain:
+                chosen += f"; {plain} layer-steps ran as SGLang's layers (every row at budget 0)"
             from vskipper.integrations.sglang.elastic import current
 
             e, now = current(), time.monotonic()
