@@ -48,7 +48,9 @@ from benchmarks.serving.servers import SERVER_THREADS, System, start_all, stop
 
 STEPS = (0.25, 0.5, 0.75, 1.0, 1.1, 1.25, 1.5)  # multiples of R, upstream's highest rate meeting the target
 KNEE, MARGIN = 0.8, 1.1  # --tpot-ms auto: MARGIN x upstream's p90 TPOT at KNEE x its saturated capacity
-SEARCH = tuple(round(0.1 * i, 1) for i in range(2, 12))  # of upstream's capacity, req/s: R is as fine as this grid
+# of upstream's capacity, req/s: R is as fine as this grid. It runs past 1: the capacity is measured
+# with a burst of requests all at once, and a server fed at a steady rate met the target above it.
+SEARCH = tuple(round(0.1 * i, 1) for i in range(2, 21))
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -413,9 +415,11 @@ def head(args, target: float, cap: float, rate: float, curve: list) -> str:
     floor = (f"; {KNEE:g}x capacity meets it by that construction, so the search starts above it"
              if args.tpot_ms == "auto" and not args.smoke else "")
     curve_s = ", ".join(f"{r:.3f}: {p:.0f}" for r, p in curve)
+    top = ("; upstream met it at every rate searched, so R is the grid's top, not its knee"
+           if args.rate is None and curve and rate >= max(r for r, _ in curve) else "")
     found = ("given (--rate: found by an earlier run at this target)" if args.rate is not None else
              f"upstream's highest rate meeting it by the majority of up to 3 runs (search on the ramp's upstream, "
-             f"its other servers up{floor}; req/s: p90 TPOT ms: {curve_s})")
+             f"its other servers up{floor}; req/s: p90 TPOT ms: {curve_s}{top})")
     return (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, {found}; {args.rounds} rounds, "
             f"steps and servers in random order; each step {args.warmup_seconds:g} s of warm-up arrivals (not "
             f"counted) then {args.step_seconds:g} s of measured ones (at least {args.requests} requests), so a "
