@@ -9,8 +9,8 @@ the CUDA-graph runner pads are never routed or counted (`valid_rows`); per-reque
 read from the buffer the plugin fills (`request_budgets`). A batch in which every row has a budget of
 0 (every request `skip: false`, or admitted at elastic depth's level 0) runs the decoder layer as
 SGLang runs it: the function the routed layer would compute with every row RUN, without the router,
-the cap and the body's work around the layer, which on a CPU cost a level-0 server a fifth of its
-step against upstream's; its rows are counted as the cap and the counter would have counted them.
+the cap and the body's work around the layer (what they cost a CPU server: docs/architecture.md); its
+rows are counted as the cap and the counter would have counted them.
 (Eager batches only: a captured graph keeps the routed layer it was captured with, which computes
 the same.) Shapes: T = tokens, H = hidden."""
 from __future__ import annotations
