@@ -45,11 +45,8 @@ def request_budgets(budgets, T: int) -> torch.Tensor | None:
     or counted)."""
     if budgets is None:
         return None
-    if not budgets.active:
-        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
-
-        if not get_is_capture_mode():
-            return None
+    if not budgets.active and not _capturing():
+        return None
     fixed = budgets.rows
     if T > fixed.shape[0]:
         raise RuntimeError(f"vskipper: a batch of {T} rows, more than the {fixed.shape[0]} rows of the "
