@@ -23,7 +23,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring)
     over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
-          top (the most the skipper can give; its measured steps then teach the saving)
+          top (the most the skipper can give; its measured steps then teach the saving), unless the
+          measured saving (not the prior) prices the top's streams less than GAIN under level 0's:
+          then level 0 (a skipper that costs about what it saves would trade quality for nothing)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
@@ -37,7 +39,10 @@ rule that read a few steps' p90, or priced the instantaneous count, swung betwee
 The calibration prices layers, not a server's whole step, and on a CPU at small batches it prices skipping
 at almost nothing where whole steps at the skipper's depth run 10-25% faster: the saving is therefore learned
 from the server's own steps once it has run more than one depth; before that, where the prior sees no
-level that fits, the rule goes to the top and lets the measured steps bring it down.
+level that fits, the rule goes to the top and lets the measured steps bring it down, to level 0 if skipping
+is measured to save less than GAIN (a skipper whose router costs what its skips save). Saving keeps the last
+LEARN steps: once the top's steps have left them, the prior speaks again and the top is tried again, so a
+saving that grows with the load (larger batches) is found.
 Plain host arithmetic (a 3-column least squares over a few hundred steps) once per period; nothing runs
 on the device."""
 from __future__ import annotations
@@ -59,6 +64,7 @@ DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predic
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
+GAIN = 0.05  # over the target, skipping measured to make streams less than this share faster -> level 0
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -298,13 +304,18 @@ class Controller:
         load = (f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued; predicted per level "
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
                 + self.describe_saving())
-        if (est[c] > t.tpot_ms or ttft_over) and c < self.top:
-            if est[c] <= t.tpot_ms:
-                return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
+        if est[c] > t.tpot_ms:
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
-            j = fits[0] if fits else self.top
-            none = "" if fits else f", no level predicted within {DOWN:g} x target: the top"
-            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{none} ({load})", now)
+            if fits:
+                j, why = fits[0], ""
+            elif self.saving.learned() and est[self.top] > (1 - GAIN) * est[0]:
+                j, why = 0, (f", skipping measured to make streams less than {GAIN:.0%} faster at the top "
+                             "than at level 0: level 0")
+            else:
+                j, why = self.top, f", no level predicted within {DOWN:g} x target: the top"
+            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
+        if ttft_over and c < self.top:
+            return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
             return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, within "
                                     f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
