@@ -44,7 +44,7 @@ def test_ramp_pools_its_rounds_in_random_order_and_sums_route_counts(monkeypatch
             counters["el"][1] += 10.0 * r
         tpot = [0.010 * r] * 9 + [0.100 * r]
         return {"tpot_p90_ms": 1e3 * er.quantile(tpot, 0.9), "tpot_p90_all_ms": 0.0, "tpot_s": tpot,
-                "ttft_s": [0.5] * 10, "tok_s": 6.0 * r,
+                "tpot_all_s": tpot, "ttft_s": [0.5] * 10, "tok_s": 6.0 * r,
                 "failed": 0, "texts": ["zzzz" if url == "el" and r == 2 else "abcd"] * 10}
 
     monkeypatch.setattr(er, "measure", measure)

@@ -81,7 +81,7 @@ def pool(rounds: list[dict], probes: int) -> dict:
     """One step's figures for one system from its rounds: quantiles over every request of every round,
     output tok/s averaged, failures, route counts and tokens per level summed; `texts` the probes'."""
     tpot = [x for m in rounds for x in m["tpot_s"]]
-    every = [x for m in rounds for x in m.get("tpot_all_s", m["tpot_s"])]
+    every = [x for m in rounds for x in m["tpot_all_s"]]
     ttft = [x for m in rounds for x in m["ttft_s"]]
     levels: dict[str, float] = {}
     for m in rounds:
@@ -165,17 +165,18 @@ def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: in
     return best, curve
 
 
-def systems_for(model: str, name: str, spec: str, target_ms: float, level0: str | None = None) -> list[System]:
+def systems_for(model: str, name: str, spec: str, target_ms: float | None, level0: str | None = None) -> list[System]:
     """One skipper's servers: upstream, vskipper at level 0 (when `level0`: its spec), the skipper at
-    fixed depth and elastic."""
+    fixed depth and elastic (when `target_ms` is given)."""
     on = (("VSKIPPER_STATS_INTERVAL", "8"),)
     out = [System("upstream", model, label="upstream", args=("--enable-metrics",))]
     if level0:
         out.append(System("level0", model, level0, env=on, label="vskipper, level 0 (nothing skipped)",
                           args=("--enable-metrics",)))
     out.append(System(f"fixed-{name}", model, spec, env=on, label=f"{name}, fixed depth", args=("--enable-metrics",)))
-    out.append(System(f"elastic-{name}", model, spec, env=on + (("VSKIPPER_TPOT_MS", f"{target_ms:.3f}"),),
-                      label=f"{name}, elastic", args=("--enable-metrics",)))
+    if target_ms is not None:
+        out.append(System(f"elastic-{name}", model, spec, env=on + (("VSKIPPER_TPOT_MS", f"{target_ms:.3f}"),),
+                          label=f"{name}, elastic", args=("--enable-metrics",)))
     return out
 
 
@@ -369,8 +370,7 @@ def main(argv=None) -> None:
     for name, spec in skippers.items():
         # Elastic takes the target at start: the others first, and on the first skipper's round the target and
         # R are found on that upstream, the ramp's other servers up beside it (the ramp's conditions).
-        others = [s for s in systems_for(args.model, name, spec, 0.0, level0 if name == "random" else None)
-                  if not s.name.startswith("elastic")]
+        others = systems_for(args.model, name, spec, None, level0 if name == "random" else None)
         servers = start_all(others, args.out / "logs", threads=SERVER_THREADS, log_level="info")
         try:
             if rate is None:
