@@ -24,8 +24,11 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving), unless the
-          measured saving (not the prior) prices the top's streams less than GAIN under level 0's:
-          then level 0 (a skipper that costs about what it saves would trade quality for nothing)
+          measured saving (not the prior), even SURE standard errors higher, prices the top's streams
+          less than GAIN under level 0's: then level 0 (a skipper that costs about what it saves would
+          trade quality for nothing; a few noisy steps that fit a saving of 0 do not show that); or
+          unless the saving itself prices them under GAIN but not surely: then whichever of level 0
+          and the top fewer of the fit's steps ran at (to measure it)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
@@ -40,9 +43,10 @@ The calibration prices layers, not a server's whole step, and on a CPU at small 
 at almost nothing where whole steps at the skipper's depth run 10-25% faster: the saving is therefore learned
 from the server's own steps once it has run more than one depth; before that, where the prior sees no
 level that fits, the rule goes to the top and lets the measured steps bring it down, to level 0 if skipping
-is measured to save less than GAIN (a skipper whose router costs what its skips save). Saving keeps the last
-LEARN steps: once the top's steps have left them, the prior speaks again and the top is tried again, so a
-saving that grows with the load (larger batches) is found.
+is measured, with SURE standard errors to spare, to save less than GAIN (a skipper whose router costs what
+its skips save; under steady arrivals most steps carry a prefill and teach nothing, so that takes a while).
+Saving keeps the last LEARN steps: once the top's steps have left them, the prior speaks again and the top
+is tried again, so a saving that grows with the load (larger batches) is found.
 Plain host arithmetic (a 3-column least squares over a few hundred steps) once per period; nothing runs
 on the device."""
 from __future__ import annotations
@@ -65,6 +69,7 @@ LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across 
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
 GAIN = 0.05  # over the target, skipping measured to make streams less than this share faster -> level 0
+SURE = 2.0  # standard errors: "measured" means even the saving plus SURE of them falls short of GAIN
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -168,6 +173,7 @@ class Saving:
         self.steps: deque[tuple[float, int, int, int, int]] = deque(maxlen=LEARN)  # (ms, T, B, C, episode)
         self.episode = 0
         self.value: float | None = None  # s, refitted by fit()
+        self.lower, self.upper = 0.0, math.inf  # s less and plus SURE standard errors: what the steps allow
         self.prior: float | None = None
 
     def add(self, ms: float, budgets, context: int = 0) -> None:
@@ -202,8 +208,19 @@ class Saving:
         cols, w = self._within(), self._span()
         X = np.vstack([np.column_stack([cols[:, 1], -cols[:, 2], cols[:, 3]]), [0.0, w, 0.0]])
         y = np.append(cols[:, 0], w * self.prior)
-        self.value = max(0.0, float(np.linalg.lstsq(X, y, rcond=None)[0][1]))
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        dof = len(y) - X.shape[1] - len({s[4] for s in self.steps})  # an episode's mean took one each
+        se = math.inf
+        if dof > 0:  # the usual least-squares standard error of s
+            resid = y - X @ coef
+            se = math.sqrt(max(0.0, float(resid @ resid) / dof * float(np.linalg.pinv(X.T @ X)[1, 1])))
+        self.value = max(0.0, float(coef[1]))
+        self.lower, self.upper = max(0.0, float(coef[1]) - SURE * se), max(0.0, float(coef[1]) + SURE * se)
         return self.value
+
+    def deep_steps(self) -> int:
+        """How many of the steps kept ran their rows at half the top's budget or more."""
+        return sum(1 for s in self.steps if 2 * s[2] >= s[1] * self.top)
 
     def learned(self) -> bool:
         """Whether the steps say more about s than the prior does (their budget sums spread wider within
@@ -274,10 +291,26 @@ class Controller:
         seen = stream_p90(ms for ms, _, _ in self.steps)
         return self.last_seen if seen is None else seen
 
-    def estimates(self) -> list[float]:
-        """est_j of every level (ms): each step kept, priced at level j by what skipping saves here."""
-        s = self.saving.fit() or 0.0
+    def estimates(self, s: float | None = None) -> list[float]:
+        """est_j of every level (ms): each step kept, priced at level j by what skipping saves here (or by
+        `s` ms per row and routed layer of budget)."""
+        if s is None:
+            s = self.saving.fit() or 0.0
         return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B)) for ms, T, B in self.steps) for k in self.budgets]
+
+    def top_gain(self) -> tuple[float, float, float] | None:
+        """How much faster (a share) streams run at the top than at level 0, priced at the saving less SURE
+        standard errors, at the saving, and plus SURE standard errors; None while the steps do not say more
+        than the prior."""
+        sv = self.saving
+        sv.fit()
+        if not sv.learned() or not math.isfinite(sv.upper):
+            return None
+
+        def gain(s: float) -> float:
+            est = self.estimates(s)
+            return 1.0 - est[self.top] / max(est[0], 1e-9)
+        return gain(sv.lower), gain(sv.value), gain(sv.upper)
 
     def tick(self, now: float, running: list[int], waiting: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
@@ -308,9 +341,14 @@ class Controller:
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
             if fits:
                 j, why = fits[0], ""
-            elif self.saving.learned() and est[self.top] > (1 - GAIN) * est[0]:
+            elif (g := self.top_gain()) is not None and g[2] < GAIN:
                 j, why = 0, (f", skipping measured to make streams less than {GAIN:.0%} faster at the top "
                              "than at level 0: level 0")
+            elif g is not None and g[1] < GAIN:  # likely little, not surely: run the side measured less
+                deep = self.saving.deep_steps()
+                j = 0 if 2 * deep > len(self.saving.steps) else self.top
+                why = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, likely under "
+                       f"{GAIN:.0%} but not surely: level {j}, the less measured, to measure it")
             else:
                 j, why = self.top, f", no level predicted within {DOWN:g} x target: the top"
             return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
@@ -326,7 +364,7 @@ class Controller:
         if sv.value is None:
             return "skipping's saving not measured yet"
         return (f"a row saves {sv.value:.3f} ms per routed layer of budget ("
-                + ("measured" if sv.learned() else "the calibration's prior")
+                + (f"measured, at most {sv.upper:.3f}" if sv.learned() else "the calibration's prior")
                 + f", {len(sv.steps)} steps; prior {sv.prior:.3f})")
 
     def time_per_level(self, now: float) -> list[float]:
