@@ -114,8 +114,8 @@ def test_over_the_target_a_skipper_measured_to_save_nothing_is_held_at_level_0()
     assert c.tick(now + 1, [0] * 8, 4) and c.level == L and "the top" in c.reason, c.reason
     now = run_steps(c, now + 1, DWELL, 5.0, [L] * 8)
     assert c.tick(now + 1, [L] * 8, 4) and c.level == 0, c.reason
-    assert "less than 5% faster at the top than at level 0: level 0" in c.reason and "(measured" in c.reason
-    now = run_steps(c, now + 1, DWELL, 5.2)
+    assert "less than 2% faster at the top than at level 0: level 0" in c.reason and "(measured" in c.reason
+    now = run_steps(c, now + 1, DWELL, 5.05)  # 1% slower than the top: under GAIN
     assert not c.tick(now + 1, [0] * 8, 4) and c.level == 0 and "level 0 over target" in c.reason, c.reason
     now = run_steps(c, now + 1, LEARN, 5.0)  # the top's steps leave Saving's window
     assert not c.saving.learned()
@@ -132,12 +132,13 @@ def noisy_steps(c: Controller, now: float, n: int, ms: float, budgets, rng, spre
     return now
 
 
-@pytest.mark.parametrize("top_ms,seed,spread", [(4.5, 3, 2.5), (5.0, 0, 1.5)])
+@pytest.mark.parametrize("top_ms,seed,spread", [(4.5, 2, 1.5), (5.0, 0, 1.0)])
 def test_over_the_target_noisy_steps_take_level_0_only_once_they_show_skipping_saves_nothing(top_ms, seed, spread):
     """Steps of 5 ms at level 0, give or take `spread`: a few of them can fit a saving of 0 where skipping
-    saves 10% (4.5 ms at the top; the rule before SURE took that as measured and held level 0 for most of
-    this load). Level 0 only once the saving, SURE standard errors higher, still makes the top less than
-    GAIN faster; unsure with the fit under GAIN, the side measured less; unsure above it, the top."""
+    saves 10% (4.5 ms at the top; a rule that read the fit as it stood held level 0 for most of this
+    load). Level 0 only once the saving, SURE standard errors higher, still makes the top less than GAIN
+    faster; the top once, SURE standard errors lower, it makes it GAIN faster; unsure, the side measured
+    less, which is what narrows the fit."""
     rng = random.Random(seed)
     c = Controller(Target(tpot_ms=1.0, period_s=0.5), ladder(L), step_model(), now=0.0)
     now = noisy_steps(c, 0.0, STREAM, 5.0, [0] * 8, rng, spread)
@@ -148,12 +149,13 @@ def test_over_the_target_noisy_steps_take_level_0_only_once_they_show_skipping_s
         c.tick(now + 1, [0] * 8, 4)
         levels.append(c.level)
         reasons.append(c.reason)
-    if top_ms < 5.0:  # a real saving: the top throughout
-        assert set(levels) == {L}, levels
-    else:  # none: measured, then level 0 for most of the load
-        assert levels.count(0) >= 30, levels
-        sure = next(i for i, r in enumerate(reasons) if "less than 5% faster at the top than at level 0: level 0" in r)
-        assert any("the less measured, to measure it" in r for r in reasons[:sure]), reasons
+    measuring = [i for i, r in enumerate(reasons) if "or not: level" in r and "to measure it" in r]
+    assert measuring, reasons
+    if top_ms < 5.0:  # a real saving: measured, then the top
+        assert levels.count(0) <= 8 and levels[-20:] == [L] * 20, levels
+    else:  # none: measured, then level 0
+        sure = [i for i, r in enumerate(reasons) if "less than 2% faster at the top than at level 0: level 0" in r]
+        assert sure and measuring[0] < sure[0] and levels[-10:] == [0] * 10, levels
 
 
 def test_rule_judges_a_streams_length_of_steps_so_one_prefill_does_not_raise_it():
@@ -416,7 +418,7 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
     # back to level 0: at idle, or before, under the load, once the top's steps are measured to save nothing
     # (on this tiny model the host's work is most of a step)
     assert re.search(r"elastic depth level 4 -> 0: (idle|TPOT .* faster at the top than at level 0: level 0"
-                     r"|TPOT .* not surely: level 0, the less measured, to measure it)",
+                     r"|TPOT .* or not: level 0, the less measured, to measure it)",
                      err), levels
     assert after == upstream[0], "after the load: level 0 again"
     line = [x for x in err.splitlines() if "elastic level" in x][-1]

@@ -26,9 +26,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           top (the most the skipper can give; its measured steps then teach the saving), unless the
           measured saving (not the prior), even SURE standard errors higher, prices the top's streams
           less than GAIN under level 0's: then level 0 (a skipper that costs about what it saves would
-          trade quality for nothing; a few noisy steps that fit a saving of 0 do not show that); or
-          unless the saving itself prices them under GAIN but not surely: then whichever of level 0
-          and the top fewer of the fit's steps ran at (to measure it)
+          trade quality for nothing; a few noisy steps that fit a saving of 0 do not show that); and
+          where SURE standard errors either way leave it unsure of GAIN, whichever of level 0 and the
+          top fewer of the fit's steps ran at (measuring it narrows the fit)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
@@ -68,7 +68,9 @@ DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predic
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
-GAIN = 0.05  # over the target, skipping measured to make streams less than this share faster -> level 0
+GAIN = 0.02  # over the target, skipping measured to make streams less than this share faster -> level 0
+# (priced step by step at the batches that ran: a cheaper step also shrinks the batch, so a few % here
+# is 10-20% of a fixed-depth server's p90 TPOT)
 SURE = 2.0  # standard errors: "measured" means even the saving plus SURE of them falls short of GAIN
 
 
@@ -344,11 +346,11 @@ class Controller:
             elif (g := self.top_gain()) is not None and g[2] < GAIN:
                 j, why = 0, (f", skipping measured to make streams less than {GAIN:.0%} faster at the top "
                              "than at level 0: level 0")
-            elif g is not None and g[1] < GAIN:  # likely little, not surely: run the side measured less
+            elif g is not None and g[0] < GAIN:  # not surely either way: run the side measured less
                 deep = self.saving.deep_steps()
                 j = 0 if 2 * deep > len(self.saving.steps) else self.top
-                why = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, likely under "
-                       f"{GAIN:.0%} but not surely: level {j}, the less measured, to measure it")
+                why = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, not surely "
+                       f"{GAIN:.0%} or not: level {j}, the less measured, to measure it")
             else:
                 j, why = self.top, f", no level predicted within {DOWN:g} x target: the top"
             return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
