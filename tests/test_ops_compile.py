@@ -181,7 +181,7 @@ def test_tuned_tables_strictly_keyed(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=r"ignoring kernel-config table .*triton '0.0.1'"):
         assert kernel_configs.tuned_table(gpu, (stale,)) == {}
 
-    # lookup on a (pretend) CUDA device: the tuned bucket, else the largest below, else the default
+    # lookup on a (pretend) CUDA device: the tuned bucket, else the one half its size, else the default
     monkeypatch.setattr(kernel_configs, "_gpu_name", lambda index: gpu)
     monkeypatch.setattr(kernel_configs, "search_dirs", lambda: [good])
     kernel_configs.tuned_table.cache_clear()
@@ -191,9 +191,10 @@ def test_tuned_tables_strictly_keyed(tmp_path, monkeypatch):
         return {"BLOCK_N": 64, "BLOCK_K": b}
 
     assert kernel_configs.lookup("grouped_swiglu_", 12, cuda, default)["BLOCK_N"] == 32
-    assert kernel_configs.lookup("grouped_swiglu_", 100, cuda, default)["BLOCK_N"] == 32
-    assert kernel_configs.lookup("grouped_swiglu_", 1000, cuda, default)["BLOCK_N"] == 256
-    assert kernel_configs.lookup("grouped_swiglu_", 1000, cuda, default)["BLOCK_K"] == 1024
+    assert kernel_configs.lookup("grouped_swiglu_", 30, cuda, default)["BLOCK_N"] == 32
+    assert kernel_configs.lookup("grouped_swiglu_", 100, cuda, default) == default(128)
+    assert kernel_configs.lookup("grouped_swiglu_", 400, cuda, default) == {"BLOCK_N": 256, "BLOCK_K": 512}
+    assert kernel_configs.lookup("grouped_swiglu_", 1000, cuda, default) == default(1024)
     assert kernel_configs.lookup("grouped_swiglu_", 8, cuda, default) == default(8)
     assert kernel_configs.lookup("grouped_swiglu_", 12, cuda, default, tuned=False) == default(16)
     kernel_configs.tuned_table.cache_clear()

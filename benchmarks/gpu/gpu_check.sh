@@ -10,18 +10,18 @@
 #
 # Steps, each under its own time limit (seconds; also cut to what is left of the 535 s total):
 #   env        versions and the device; missing package or no GPU: a clear message, exit 2
-#   model  110 benchmarks/gpu/model_check.py: the transformed Llama-3-8B shape (random bf16 weights)
+#   model  105 benchmarks/gpu/model_check.py: the transformed Llama-3-8B shape (random bf16 weights)
 #              under CUDA graphs, RandomSkip and FlexiDepth hard/soft, replays vs eager; fp32
 #              greedy tokens vs the reference on a small model
-#   calibrate 60  vskipper calibrate --device cuda on one routed layer of the 8B shape (fewer
+#   calibrate 80  vskipper calibrate --device cuda on one routed layer of the 8B shape (fewer
 #              rounds), then its table (benchmarks/step/calibration_table.py); `auto` in the next step uses it
-#   decode 115 benchmarks/gpu/decode.py: tok/s of base, dense, routed, auto, all captured, B 1..256,
+#   decode  60 benchmarks/gpu/decode.py: tok/s of base, dense, routed, auto, all captured, B 1..256,
 #              context 1024 and 4096, beside the bytes/FLOPs ideal
-#   kernels 40 benchmarks/gpu/kernel_timings.py with the untuned defaults (--untuned)
+#   kernels 55 benchmarks/gpu/kernel_timings.py with the untuned defaults (--untuned)
 #   tune    60 benchmarks/gpu/kernel_timings.py --tune: a thinned sweep at T in {64, 256}
-#   tuned   40 benchmarks/gpu/kernel_timings.py again, with the tuned table
+#   tuned   55 benchmarks/gpu/kernel_timings.py again, with the tuned table
 #   ops     55 tests/test_ops_compile.py: a routed body captured and replayed, torch.compile, opcheck
-#   props   55 tests/test_kernels.py: every kernel against its reference (HYPOTHESIS_PROFILE=cpu)
+#   props   65 tests/test_kernels.py: every kernel against its reference (HYPOTHESIS_PROFILE=cpu)
 # $OUT (default: a new temp dir): summary.md, logs/<step>.log, runs/<step>/results.json, results/*.md
 # (the pages: copy into docs/results/), cache/ (VSKIPPER_CACHE: the calibration and the tuned table),
 # vskipper/kernel_configs/<gpu>.json. Exit status: 0 if every step passed, 1 if any failed or timed
@@ -117,7 +117,7 @@ fi
 RUNS=$OUT/runs                   # every step's results.json in runs/<step>/, its page in results/
 PAGES=$OUT/results
 
-run model 110 "$PY" -m benchmarks.gpu.model_check $SM --out "$RUNS/model" --docs "$PAGES"
+run model 105 "$PY" -m benchmarks.gpu.model_check $SM --out "$RUNS/model" --docs "$PAGES"
 if [ "$SMOKE" -eq 1 ]; then  # the CLI's flags checked, then its measurement on a 2 x 3 grid (the full one: 80 s here)
     CALIBRATE="'$PY' -m vskipper.cli calibrate --help > /dev/null && '$PY' -c 'from vskipper import calibrate, cost
 cal, _ = calibrate.measure($SHAPE, device=\"cpu\", ts=(4, 16), fs=(0.0, 0.5, 1.0), repeats=1, passes=1, progress=False)
@@ -125,15 +125,15 @@ print(\"calibration cached in\", cost.save(cal))'"
 else
     CALIBRATE="'$PY' -m vskipper.cli calibrate --shape $SHAPE --device $DEVICE --repeats 2 --passes 1"
 fi
-run calibrate 60 bash -c "$CALIBRATE && '$PY' -m benchmarks.step.calibration_table --shape $SHAPE --device $DEVICE \
+run calibrate 80 bash -c "$CALIBRATE && '$PY' -m benchmarks.step.calibration_table --shape $SHAPE --device $DEVICE \
     --out '$RUNS/calibration' --docs '$PAGES'"
-run decode 115 "$PY" -m benchmarks.gpu.decode $SM --out "$RUNS/decode" --docs "$PAGES"
-run kernels 40 "$PY" -m benchmarks.gpu.kernel_timings $SM --untuned --out "$RUNS/kernels" --docs "$PAGES"
+run decode 60 "$PY" -m benchmarks.gpu.decode $SM --out "$RUNS/decode" --docs "$PAGES"
+run kernels 55 "$PY" -m benchmarks.gpu.kernel_timings $SM --untuned --out "$RUNS/kernels" --docs "$PAGES"
 run tune 60 bash -c "'$PY' -m benchmarks.gpu.kernel_timings $SM --tune '$VSKIPPER_CACHE/kernel_configs' $TUNE \
     && cp '$VSKIPPER_CACHE'/kernel_configs/*.json '$OUT/vskipper/kernel_configs/'"
-run tuned 40 "$PY" -m benchmarks.gpu.kernel_timings $SM --out "$RUNS/tuned" --docs "$PAGES"
+run tuned 55 "$PY" -m benchmarks.gpu.kernel_timings $SM --out "$RUNS/tuned" --docs "$PAGES"
 run ops 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_ops_compile.py -k "$OPS_K"
-run props 55 env HYPOTHESIS_PROFILE=cpu "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
+run props 65 env HYPOTHESIS_PROFILE=cpu "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
     ${PROPS_K:+-k "$PROPS_K"}
 
 echo

@@ -7,13 +7,15 @@ the GPU name and the torch, triton and vskipper versions it was measured with:
     {"meta": {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "vskipper": "0.1.0"},
      "configs": {"grouped_swiglu_": {"16": {"gate_up": {...}, "down": {...}}, ...}, ...}}
 
-Keys under an op are token-count buckets (the next power of two). Tables are looked up in the
-cache (`<vskipper cache>/kernel_configs`, written by `benchmarks/gpu/kernel_timings.py --tune`), then in
-this package. A table whose stamp does not match this GPU and these versions is ignored with a
-warning, never trusted. Without a table, or where the model's plan says untuned
-(Config(tuned_kernels=False), VSKIPPER_AUTOTUNE=0 in SGLang), every op uses the untuned defaults
-written in its own file (`vskipper/triton_kernels/<op>.py`, `default_config`). Nothing here reads
-the environment.
+Keys under an op are token-count buckets (the next power of two); a bucket not tuned takes the tuned
+bucket half its size if there is one, else the defaults (a config tuned at a quarter of the rows can
+run slower than the defaults: grouped_swiglu_ at T=1024 in docs/results/gpu-kernels*.md). Tables are
+looked up in the cache (`<vskipper cache>/kernel_configs`, written by
+`benchmarks/gpu/kernel_timings.py --tune`), then in this package. A table whose stamp does not match
+this GPU and these versions is ignored with a warning, never trusted. Without a table, or where the
+model's plan says untuned (Config(tuned_kernels=False), VSKIPPER_AUTOTUNE=0 in SGLang), every op
+uses the untuned defaults written in its own file (`vskipper/triton_kernels/<op>.py`,
+`default_config`). Nothing here reads the environment.
 """
 from __future__ import annotations
 
@@ -67,8 +69,7 @@ def _gpu_name(index: int) -> str:
 
 def lookup(op: str, tokens: int, device: torch.device, default: Callable[[int], dict], tuned: bool = True) -> dict:
     """The launch config of `op` for `tokens` rows on `device`: where `tuned`, the tuned one if a
-    trusted table has it (the bucket itself, else the largest tuned bucket below it); else
-    `default(bucket)`."""
+    trusted table has it (the bucket itself, else the bucket half its size); else `default(bucket)`."""
     b = bucket(tokens)
     cfg = default(b)
     if device.type != "cuda" or not tuned:
@@ -78,9 +79,12 @@ def lookup(op: str, tokens: int, device: torch.device, default: Callable[[int], 
 
 
 def pick(op_table: dict[str, dict], b: int, default: dict) -> dict:
-    """The tuned entry for bucket `b` (else the largest tuned bucket below it) over `default`."""
-    below = [int(k) for k in op_table if int(k) <= b]
-    return {**default, **op_table[str(max(below))]} if below else default
+    """The tuned entry for bucket `b` (else for bucket b / 2) over `default`; a config tuned at a
+    quarter of the rows or fewer is not trusted to carry over."""
+    for k in (str(b), str(b // 2)):
+        if k in op_table:
+            return {**default, **op_table[k]}
+    return default
 
 
 def save(configs: dict[str, dict[str, dict]], gpu: str, directory: Path | str) -> Path:
