@@ -10,6 +10,7 @@ import pytest
 
 from vskipper.elastic import (
     DOWN,
+    DRAIN,
     DWELL,
     HISTORY,
     LADDER,
@@ -235,9 +236,73 @@ def test_saving_compares_steps_within_an_episode_and_at_their_context():
         ctx = sum(rng.randint(10, 400) for _ in b)
         sv.add(3.0 + truth(b) + 0.01 * ctx, b, context=ctx)
     assert sv.fit() == pytest.approx(0.25, rel=0.05) and sv.learned()
-    pooled = np.linalg.lstsq(np.array([[1, T, -B, C] for _, T, B, C, _ in sv.steps], dtype=float),
+    pooled = np.linalg.lstsq(np.array([[1, T, -B, C] for _, T, B, C, *_ in sv.steps], dtype=float),
                              np.array([st[0] for st in sv.steps]), rcond=None)[0][2]
     assert pooled < 0.2  # the busier burst's 3 ms, read as the price of its budgets
+
+
+def routed_truth(budgets) -> float:
+    """truth's server, whose steps pay 2 ms more whenever some row's budget is above 0 (the router and the
+    routed path; a batch all at budget 0 runs SGLang's own layers)."""
+    return truth(budgets) + (2.0 if any(budgets) else 0.0)
+
+
+def test_saving_prices_the_routed_path_apart_where_batches_ran_without_it_and_at_several_depths():
+    sv = Saving(flat_model(), L)
+    rng = random.Random(2)
+    for _ in range(300):
+        T = rng.randint(4, 12)
+        b = [0] * T if rng.random() < 0.3 else [rng.randint(0, L) for _ in range(T)]
+        sv.add(routed_truth(b) + rng.uniform(-0.2, 0.2), b)
+    assert sv.fit() == pytest.approx(0.25, rel=0.05) and sv.routed == pytest.approx(2.0, rel=0.1)
+    # only level 0 and the top ran (no batch between): s and d are one number, d is priced at 0 and s
+    # carries the whole difference, the top's steps 2 ms cheaper than level 0's (8 rows, 8 ms less, 2 more)
+    sv = Saving(flat_model(), L)
+    for i in range(200):
+        b = [L * (i % 2)] * 8
+        sv.add(routed_truth(b) + rng.uniform(-0.2, 0.2), b)
+    assert sv.routed == 0.0 and sv.fit() * 8 * L == pytest.approx(6.0, rel=0.05)
+
+
+def test_over_the_target_a_skipper_whose_routed_path_costs_what_it_saves_is_held_at_level_0():
+    """Steps at the top save 0.25 ms per row and layer of budget but pay 8.5 ms for the routed path: 0.5 ms
+    slower than level 0's. Read as a saving per budget alone, the mixed batches of the change of level
+    price the top 8 ms faster than level 0 and hold it there; with the routed path priced apart, level 0,
+    measured. Back at level 0 the rule waits for the batch to drain of rows admitted at the top before it
+    judges level 0 (at most DRAIN steps)."""
+    def cost(b):
+        return truth(b) + (8.5 if any(b) else 0.0)
+    c = Controller(Target(tpot_ms=1.0, period_s=0.5), ladder(L), step_model(), now=0.0)
+    now = run_steps(c, 0.0, STREAM, cost([0] * 8))
+    assert c.tick(now + 1, [0] * 8, 4) and c.level == L, c.reason
+    now += 1
+    c.idle()
+    c.decode_step(now, [0] * 8)
+    for i in range(HISTORY):  # requests admitted at the top replace those at level 0
+        b = [L] * min(8, i // 4) + [0] * (8 - min(8, i // 4))
+        now += cost(b) / 1e3
+        c.decode_step(now, b)
+    assert c.tick(now + 1, [L] * 8, 4) and c.level == 0, c.reason
+    assert "less than 2% faster at the top than at level 0: level 0" in c.reason, c.reason
+    assert c.saving.routed == pytest.approx(8.5, rel=0.05) and c.saving.value == pytest.approx(0.25, rel=0.05)
+    # draining: the top's rows leave one by one; until DWELL steps of a drained batch ran, it measures
+    now += 1
+    c.idle()
+    c.decode_step(now, [L] * 8)
+    for i in range(16 + DWELL - 1):
+        b = [L] * max(0, 8 - i // 2) + [0] * min(8, i // 2)
+        now += cost(b) / 1e3
+        c.decode_step(now, b)
+    assert not c.tick(now + 1, [0] * 8, 4) and c.reason == "measuring", c.reason
+    now = run_steps(c, now + 1, 1, cost([0] * 8))
+    assert not c.tick(now + 1, [0] * 8, 4) and c.level == 0 and "level 0 over target" in c.reason, c.reason
+    # a batch that never drains (a long stream admitted at the top): judged after DRAIN steps anyway
+    c._set(L, "test", now)
+    c._set(0, "test", now)
+    now = run_steps(c, now + 1, DRAIN - 1, cost([L] + [0] * 7), [L] + [0] * 7)
+    assert not c.tick(now + 1, [0] * 8, 4) and c.reason == "measuring", c.reason
+    now = run_steps(c, now + 1, 1, cost([L] + [0] * 7), [L] + [0] * 7)
+    assert not c.tick(now + 1, [0] * 8, 4) and "level 0 over target" in c.reason, c.reason
 
 
 def test_rule_learns_what_skipping_saves_where_the_calibration_prices_it_at_nothing():

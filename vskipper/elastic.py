@@ -9,23 +9,29 @@ layers as the request's budget, through the same per-row budget buffer as the re
 The rule, once per control period (`Target.period_s`), from what the scheduler knows:
     step   = the time between two decode steps: what a running stream sees between two tokens (a
              prefill run between them included); the last HISTORY steps are kept, at whatever level
-    s      = what one row saves per routed layer of budget, in ms, on this server (Saving): fitted to the
-             measured prefill-free steps (step = a + b T + c C - s B: T rows, B the sum of their budgets,
-             C their context tokens, a constant per busy episode), with the calibration's price of
-             skipping (StepModel) as the prior until rows at several budgets ran
-    step_j = step - s (T k_j - B): the same step had its rows run at level j (the measured step says what
-             it costs here, batch size, prefills and host included; s how it moves with the budgets)
+    s, d   = what one row saves per routed layer of budget, and what a step pays for running the routed
+             path at all, in ms, on this server (Saving): fitted to the measured prefill-free steps
+             (step = a + b T + c C - s B + d D: T rows, B the sum of their budgets, C their context
+             tokens, D 1 where some row's budget is above 0, a constant per busy episode), with the
+             calibration's price of skipping (StepModel) as s's prior until rows at several budgets ran;
+             d is 0 until steps with and without skipping rows ran in one episode (a batch whose rows
+             are all at budget 0 runs SGLang's own layers: no router, no routed path)
+    step_j = step - s (T k_j - B) + d (D_j - D): the same step had its rows run at level j (the measured
+             step says what it costs here, batch size, prefills and host included; s and d how it moves
+             with the budgets)
     est_j  = the 90th percentile, over every run of STREAM consecutive steps kept, of their mean step_j:
              a stream's TPOT is the mean of its gaps, so est_j is the p90 TPOT of the recent streams
              had they run at level j (est_c, at the level c of the steps, is simply what they saw)
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
     no running or queued request      -> level 0 (idle; the steps kept are dropped)
-    fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring)
+    fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring); at level 0 the
+          DWELL steps count once the batch has drained of rows admitted higher (at most DRAIN steps):
+          until then the steps show neither level 0 nor what the routed path costs
     over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving), unless the
-          measured saving (not the prior), even SURE standard errors higher, prices the top's streams
-          less than GAIN under level 0's: then level 0 (a skipper that costs about what it saves would
+          measured saving (not the prior), even SURE standard errors higher (of T s k_top - d), prices
+          the top's streams less than GAIN under level 0's: then level 0 (a skipper that costs about what it saves would
           trade quality for nothing; a few noisy steps that fit a saving of 0 do not show that); and
           where SURE standard errors either way leave it unsure of GAIN, whichever of level 0 and the
           top fewer of the fit's steps ran at (measuring it narrows the fit)
@@ -62,6 +68,7 @@ from vskipper.control import RequestControl
 LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
 DWELL = 16  # decode steps at a new level (or of a new busy spell) before the rule decides (again)
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
+DRAIN = 4 * STREAM  # at level 0, decode steps the rule waits at most for DWELL steps of a drained batch
 HISTORY = 2 * STREAM  # decode steps kept
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
@@ -159,66 +166,97 @@ def stream_p90(xs, stream: int = STREAM) -> float | None:
 
 class Saving:
     """What skipping saves on this server, learned from its own decode steps: a least-squares fit of
-    step ms = a_e + b T + c C - s B over the last LEARN steps that ran no prefill (T rows, B the sum of
-    their budgets, C the tokens of context they attend over, a_e one constant per busy episode: the
-    machine and the prompts of one burst are not those of the next), so s is the ms one row saves per
-    routed layer of budget, judged only between steps of the same episode. Steps at one depth cannot
-    tell s from the batch's size, so the fit leans on a prior: the share of a step the calibration prices
-    a level's skipping at (at the steps' mean T), weighted as PRIOR steps whose budget sums span the
-    ladder; once the server has run rows at several budgets the measured steps take over. On a CPU at
-    small batches the calibration prices skipping at almost nothing (it prices layers, not attention
-    over the context nor the host) while whole steps at the skipper's depth run 10-25% faster. Kept
-    across idle: what a skipped layer saves does not change with the load."""
+    step ms = a_e + b T + c C - s B + d D over the last LEARN steps that ran no prefill (T rows, B the sum
+    of their budgets, C the tokens of context they attend over, D 1 where some row's budget is above 0,
+    a_e one constant per busy episode: the machine and the prompts of one burst are not those of the
+    next), so s is the ms one row saves per routed layer of budget and d what a step pays for running the
+    routed path at all (a step whose rows are all at budget 0 runs SGLang's own layers: no router, no
+    routed body), both judged only between steps of the same episode. Steps at one depth cannot tell s
+    from the batch's size, so the fit leans on a prior: the share of a step the calibration prices a
+    level's skipping at (at the steps' mean T), weighted as PRIOR steps whose budget sums span the
+    ladder; once the server has run rows at several budgets the measured steps take over. d has no prior:
+    0 until an episode ran steps on both sides of it. On a CPU at small batches the calibration prices
+    skipping at almost nothing (it prices layers, not attention over the context nor the host) while
+    whole steps at the skipper's depth run 10-25% faster. Kept across idle: what a skipped layer saves
+    does not change with the load."""
 
     def __init__(self, model: StepModel | None, top: int) -> None:
         self.model, self.top = model, max(1, top)
-        self.steps: deque[tuple[float, int, int, int, int]] = deque(maxlen=LEARN)  # (ms, T, B, C, episode)
+        self.steps: deque[tuple[float, int, int, int, int, int]] = deque(maxlen=LEARN)  # (ms, T, B, C, D, episode)
         self.episode = 0
         self.value: float | None = None  # s, refitted by fit()
-        self.lower, self.upper = 0.0, math.inf  # s less and plus SURE standard errors: what the steps allow
+        self.routed = 0.0  # d, refitted by fit()
+        # s less and plus SURE standard errors of what the top saves over level 0 (T s k_top - d, at the
+        # steps' mean T), d held at its fit: what the steps allow
+        self.lower, self.upper = 0.0, math.inf
         self.prior: float | None = None
 
     def add(self, ms: float, budgets, context: int = 0) -> None:
-        self.steps.append((ms, len(budgets), sum(budgets), context, self.episode))
+        B = sum(budgets)
+        self.steps.append((ms, len(budgets), B, context, int(B > 0), self.episode))
 
     def new_episode(self) -> None:
         """The server went idle: the next steps are compared among themselves."""
         self.episode += 1
 
     def _within(self) -> np.ndarray:
-        """(ms, T, B, C) of the steps kept, less their episode's mean."""
-        cols = np.array([s[:4] for s in self.steps], dtype=float)
-        episodes = np.array([s[4] for s in self.steps])
+        """(ms, T, B, C, D) of the steps kept, less their episode's mean."""
+        cols = np.array([s[:5] for s in self.steps], dtype=float)
+        episodes = np.array([s[5] for s in self.steps])
         for e in np.unique(episodes):
             rows = episodes == e
             cols[rows] -= cols[rows].mean(0)
         return cols
 
+    def _mean_t(self) -> int:
+        return max(1, round(sum(s[1] for s in self.steps) / len(self.steps)))
+
     def _span(self) -> float:
         """The budget sum's spread that PRIOR steps spanning the ladder give, at the steps' mean T."""
-        t = max(1, round(sum(s[1] for s in self.steps) / len(self.steps)))
-        return math.sqrt(PRIOR) * t * self.top / 2
+        return math.sqrt(PRIOR) * self._mean_t() * self.top / 2
 
     def fit(self) -> float | None:
         if not self.steps:
             return self.value
-        t = max(1, round(sum(s[1] for s in self.steps) / len(self.steps)))
+        t = self._mean_t()
         share = 0.0
         if self.model is not None:  # the calibration's saving per unit of budget, as a share of a step
             share = max(0.0, 1.0 - self.model([self.top] * t) / max(self.model([0] * t), 1e-9)) / self.top
         self.prior = share * sum(s[0] for s in self.steps) / len(self.steps) / t
         cols, w = self._within(), self._span()
-        X = np.vstack([np.column_stack([cols[:, 1], -cols[:, 2], cols[:, 3]]), [0.0, w, 0.0]])
-        y = np.append(cols[:, 0], w * self.prior)
-        coef = np.linalg.lstsq(X, y, rcond=None)[0]
-        dof = len(y) - X.shape[1] - len({s[4] for s in self.steps})  # an episode's mean took one each
+        episodes = len({s[5] for s in self.steps})
+        coef, cov = self._least_squares(cols, w, episodes, routed=True)
+        if coef is not None and (cov is None or not coef[3] > SURE * math.sqrt(max(0.0, cov[3, 3]))):
+            # d not surely above 0 (no episode ran steps on both sides of it, or too few, or the steps with
+            # skipping rows all ran at one depth, where s and d are one number): priced at 0
+            coef, cov = None, None
+        if coef is None:
+            coef, cov = self._least_squares(cols, w, episodes, routed=False)
+        self.value, self.routed = max(0.0, float(coef[1])), float(coef[3]) if len(coef) > 3 else 0.0
+        # the standard error of what the top saves over level 0 a step, T s k_top - d, read as one of s
         se = math.inf
-        if dof > 0:  # the usual least-squares standard error of s
-            resid = y - X @ coef
-            se = math.sqrt(max(0.0, float(resid @ resid) / dof * float(np.linalg.pinv(X.T @ X)[1, 1])))
-        self.value = max(0.0, float(coef[1]))
+        if cov is not None:
+            v = np.zeros(len(coef))
+            v[1] = t * self.top
+            v[3:] = -1.0
+            se = math.sqrt(max(0.0, float(v @ cov @ v))) / (t * self.top)
         self.lower, self.upper = max(0.0, float(coef[1]) - SURE * se), max(0.0, float(coef[1]) + SURE * se)
         return self.value
+
+    def _least_squares(self, cols: np.ndarray, w: float, episodes: int, routed: bool):
+        """(b, s, c[, d]) and their covariance (None with no degrees of freedom left); None, None where
+        `routed` and no episode's steps ran on both sides of D."""
+        if routed and not np.any(cols[:, 4]):
+            return None, None
+        X = np.column_stack([cols[:, 1], -cols[:, 2], cols[:, 3]] + ([cols[:, 4]] if routed else []))
+        X = np.vstack([X, [0.0, w, 0.0] + ([0.0] if routed else [])])  # the prior, on s
+        y = np.append(cols[:, 0], w * self.prior)
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        dof = len(y) - X.shape[1] - episodes  # an episode's mean took one each
+        if dof <= 0:
+            return coef, None
+        resid = y - X @ coef
+        return coef, float(resid @ resid) / dof * np.linalg.pinv(X.T @ X)  # the usual least-squares covariance
 
     def deep_steps(self) -> int:
         """How many of the steps kept ran their rows at half the top's budget or more."""
@@ -241,7 +279,8 @@ class Controller:
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
         self.steps: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B) of each step
         self.saving = Saving(model, budgets[-1])
-        self.fresh = 0  # decode steps since the level changed
+        self.fresh = 0  # decode steps since the level changed (at level 0: since the batch drained of skipping rows)
+        self.drain = 0  # decode steps since the level changed
         self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
         self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
         self.last_step: float | None = None
@@ -261,7 +300,10 @@ class Controller:
             self.steps.append((ms, len(budgets), sum(budgets)))
             if not (prefill or self.prefilled):
                 self.saving.add(ms, budgets, context)
-            self.fresh += 1
+            # at level 0, steps whose batch still holds rows admitted higher do not show level 0
+            if self.level > 0 or not any(budgets):
+                self.fresh += 1
+            self.drain += 1
         self.last_step, self.prefilled = now, False
 
     def prefill(self) -> None:
@@ -280,7 +322,7 @@ class Controller:
             return False
         self.seconds[self.level] += now - self.since
         self.level, self.since = level, now
-        self.fresh = 0
+        self.fresh = self.drain = 0
         self.ttfts.clear()
         return True
 
@@ -295,10 +337,12 @@ class Controller:
 
     def estimates(self, s: float | None = None) -> list[float]:
         """est_j of every level (ms): each step kept, priced at level j by what skipping saves here (or by
-        `s` ms per row and routed layer of budget)."""
+        `s` ms per row and routed layer of budget) and what running the routed path at all costs."""
         if s is None:
             s = self.saving.fit() or 0.0
-        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B)) for ms, T, B in self.steps) for k in self.budgets]
+        d = self.saving.routed
+        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B) + d * ((k > 0) - (B > 0))) for ms, T, B in self.steps)
+                for k in self.budgets]
 
     def top_gain(self) -> tuple[float, float, float] | None:
         """How much faster (a share) streams run at the top than at level 0, priced at the saving less SURE
@@ -328,7 +372,7 @@ class Controller:
         if now - self.last_tick < self.target.period_s:
             return False
         self.last_tick = now
-        if len(self.steps) < DWELL or self.fresh < DWELL:
+        if len(self.steps) < DWELL or (self.fresh < DWELL and self.drain < DRAIN):
             return self._set(self.level, "measuring", now)
         t, c = self.target, self.level
         seen = self.observed()
@@ -367,7 +411,8 @@ class Controller:
             return "skipping's saving not measured yet"
         return (f"a row saves {sv.value:.3f} ms per routed layer of budget ("
                 + (f"measured, at most {sv.upper:.3f}" if sv.learned() else "the calibration's prior")
-                + f", {len(sv.steps)} steps; prior {sv.prior:.3f})")
+                + f", {len(sv.steps)} steps; prior {sv.prior:.3f}); a step running the routed path pays "
+                + (f"{sv.routed:.2f} ms for it" if sv.routed else "nothing measured for it"))
 
     def time_per_level(self, now: float) -> list[float]:
         out = list(self.seconds)
