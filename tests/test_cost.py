@@ -9,8 +9,8 @@ import torch
 
 import vskipper
 from vskipper import cost
-from vskipper.calibrate import measure
-from vskipper.routed_layer import AutoBody
+from vskipper.calibrate import LayerBench, measure
+from vskipper.routed_layer import AutoBody, DenseBody
 
 from helpers import assert_equal, fast_decisions, greedy, left_pad, prompts
 from tiny import flexidepth_for, record_routes, synthetic_calibration, tiny_llama, transformed
@@ -176,6 +176,22 @@ def test_measure_a_tiny_grid():
     assert cost.load("cpu", 32, 48) is None  # measure alone caches nothing
     cost.save(cal)
     assert cost.load("cpu", 32, 48) == cal
+
+
+def test_calibration_times_cpu_steps_eagerly(monkeypatch):
+    class NoGraphs:  # a class, not a function: transformers annotates with `torch.cuda.CUDAGraph | None`
+        def __init__(self, *a, **k):
+            raise AssertionError("a CPU step was captured")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", NoGraphs)
+    monkeypatch.setattr(torch.cuda, "graph", NoGraphs)
+    calls = []
+    monkeypatch.setattr(DenseBody, "__call__", lambda self, *a, _f=DenseBody.__call__: calls.append(1) or _f(self, *a))
+    bench = LayerBench(32, 48, 4, 2, "cpu", context=16)
+    for phase in ("decode", "prefill"):
+        calls.clear()
+        ms = bench.time("dense", bench.inputs(16, 0.5, phase), lambda: None, inner=3)
+        assert ms > 0 and len(calls) == 1 + 3, (phase, ms, len(calls))  # one untimed call, then each timed one
 
 
 def test_auto_plans_captured_graphs_from_the_declared_fraction_and_keeps_state_per_phase_and_size():

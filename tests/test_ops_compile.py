@@ -1,24 +1,27 @@
 """The op layer over the kernels: torch.library.opcheck of every Triton custom op, the dispatch rule
 (the `impl` every op is given, resolved once from Config.impl), T = 0, argument errors, the per-GPU
-config tables, torch.compile of a small routed body, and CUDA-graph capture of it where a GPU is
-present.
+config tables, torch.compile of a small routed body, and CUDA-graph capture of it and of the layer
+`vskipper calibrate` times where a GPU is present.
 
 Legend: T = rows, H = hidden, I = MLP width, B = decode rows.
 """
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from vskipper import kernel_configs, ops
+from vskipper.calibrate import LayerBench
 from vskipper.triton_kernels import grouped_swiglu as GS
 from vskipper.triton_kernels import masked_decode_attention as MA
 from vskipper.triton_kernels import route_maps as RM
 from vskipper.triton_kernels._common import HAS_TRITON, interpreted
 
 from helpers import assert_close, assert_equal
+from tiny import synthetic_calibration
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_RUNS = HAS_TRITON and (DEVICE.type == "cuda" or interpreted(RM._compact_kernel))
@@ -267,3 +270,29 @@ def test_cuda_graph_routed_body(dtype):
         torch.cuda.synchronize()
         assert_close(out, routed_body(*static), f"replay vs eager Triton ({trial})")
         assert_close(out, routed_body(*static[:-1], "torch"), f"replay vs eager torch reference ({trial})")
+
+
+@needs_cuda
+def test_calibration_times_decode_steps_as_replayed_cuda_graphs():
+    bench = LayerBench(64, 128, 4, 2, DEVICE, context=16)
+    chooser = bench.add_auto(synthetic_calibration(64, 128, DEVICE)).chooser
+    args = bench.inputs(4, 0.5)
+    h, x, g, run, valid, maps, ctx = args
+    gen = torch.Generator().manual_seed(1)
+    for body in ("dense", "routed", "routed-mlp", "auto"):
+        ms = bench.time(body, args, torch.cuda.synchronize)
+        assert math.isfinite(ms) and ms > 0, f"{body}: {ms} ms"
+        graph, out = bench.captured(body, args)  # the graph time() replayed, not a new one
+        assert bench.captured(body, args)[0] is graph
+        before = out.clone()
+        h.copy_(torch.randn(h.shape, generator=gen).to(h))  # the replay reads the inputs in place
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.equal(out, before), f"{body}: the replay did not rewrite its output"
+        # captured, auto runs the body its chooser plans for T = 4 (it reads no counts inside a graph)
+        bench.body.body = bench.bodies[chooser.planned(4) if body == "auto" else body]
+        with torch.no_grad():
+            eager = bench.body(h, x, g, run, valid, maps, **ctx)
+        assert_close(out, eager, f"{body}: replay vs eager")
+    bench.time("dense", bench.inputs(4, 0.5), torch.cuda.synchronize)
+    assert list(bench._graphs) == ["dense"]  # new inputs drop the last cell's graphs

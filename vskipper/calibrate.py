@@ -78,8 +78,10 @@ class LayerBench:
                                 HFMLP(self.layer.mlp), adapter, "hard" if sublayers else "soft", self.bodies["routed"])
         self.sublayers = sublayers
         self.rope = LlamaRotaryEmbedding(self.cfg).to(device)
-        self.device, self.dtype, self.context = device, dtype, context
+        self.device, self.dtype, self.context = torch.device(device), dtype, context
         self.gen = torch.Generator().manual_seed(seed)
+        self._graphs: dict[str, tuple] = {}  # body name -> (body, graph, output), captured on _graph_args
+        self._graph_args = None
 
     def inputs(self, T: int, f: float, phase: str = "decode"):
         if phase == "prefill":
@@ -134,8 +136,25 @@ class LayerBench:
         """Mean ms of `inner` back-to-back decode steps of `body` (each rewrites the same cache slot),
         after one untimed step: timing bodies side by side, the first step after another body pays
         for the caches that body left, and which body follows which would bias the comparison
-        (measured: +10-30 us on a 0.3 ms step)."""
+        (measured: +10-30 us on a 0.3 ms step).
+
+        On CUDA a decode step is timed as SGLang runs it: captured into a CUDA graph (`captured`)
+        and replayed, each replay between CUDA events (`sync` is not used). Called eagerly, a step
+        would price Python and kernel launches, not the layer. A prefill is timed eagerly, as SGLang
+        runs it (it captures decode steps only, by default), and so is every step on CPU (no graphs):
+        each call between `sync`s on the wall clock."""
         h, x, g, run, valid, maps, ctx = args
+        if self.device.type == "cuda" and isinstance(ctx["past_key_values"], PoolCache):  # a decode step's inputs
+            graph, _ = self.captured(body, args)
+            graph.replay()
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(inner)]
+            for start, end in events:
+                start.record()
+                graph.replay()
+                end.record()
+            events[-1][1].synchronize()
+            return sum(start.elapsed_time(end) for start, end in events) / inner
         self.body.body = self.bodies[body]
         self.body(h, x, g, run, valid, maps, **ctx)
         total = 0.0
@@ -146,6 +165,36 @@ class LayerBench:
             sync()
             total += time.perf_counter() - t0
         return total / inner * 1e3
+
+    @torch.no_grad()
+    def captured(self, body: str, args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`body`'s step on `args` (a CUDA device's) captured into a CUDA graph, and the tensor its
+        replays write the layer's output to. A graph is kept per body until other args come: the
+        grid times each body once per round on the same args, and a capture costs warm-up steps and
+        a flush of the allocator's cache; so at most one cell's graphs hold memory. A body that
+        cannot be captured (a host sync) raises here. "auto" is captured as a server captures it: its
+        chooser reads no counts inside a graph and plans the body for T (cost.Chooser.planned), so
+        it is timed as that body."""
+        if args is not self._graph_args:
+            self._graphs.clear()
+            self._graph_args = args  # held, so that no later args can reuse its id
+        fn = self.bodies[body]
+        kept = self._graphs.get(body)
+        if kept is None or kept[0] is not fn:  # add_auto replaces "auto"
+            h, x, g, run, valid, maps, ctx = args
+            self.body.body = fn
+            # warm up on a side stream, as torch.cuda.graphs prescribes (kernels compiled, lazy state made)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.body(h, x, g, run, valid, maps, **ctx)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.body(h, x, g, run, valid, maps, **ctx)
+            kept = self._graphs[body] = (fn, graph, out)
+        return kept[1], kept[2]
 
 
 def repeats_at(T: int, repeats: int, short: int = 16) -> int:
@@ -189,7 +238,8 @@ def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="c
     its passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
     (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only.
     phase: "decode" (ts default cost.GRID_T) or "prefill" (cost.PREFILL_T). sublayers: time a sublayer
-    skipper's bodies, a cell's attention and MLP both at its f (LayerBench)."""
+    skipper's bodies, a cell's attention and MLP both at its f (LayerBench). A step is timed as the
+    server runs it (LayerBench.time): on CUDA a decode step as a CUDA-graph replay, otherwise eagerly."""
     if phase not in cost.PHASES:
         raise ValueError(f"phase={phase!r} is not one of {list(cost.PHASES)}")
     ts = ts if ts is not None else cost.GRID_T if phase == "decode" else cost.PREFILL_T
