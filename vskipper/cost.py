@@ -79,8 +79,9 @@ def device_name(device: torch.device | str = "cpu") -> str:
 
 
 # How calibrate measures (KV pool, rounds in random order, paired ratios, passes, three bodies, dynamic
-# bodies finding their own rows): a calibration made another way is not trusted. Bump on change.
-METHOD = "5"
+# bodies finding their own rows, decode on CUDA as CUDA-graph replays): a calibration made another way is
+# not trusted. Bump on change.
+METHOD = "6"
 
 
 def versions() -> dict[str, str]:
