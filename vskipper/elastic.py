@@ -14,8 +14,8 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
              (step = a + b T + c C - s B + d D: T rows, B the sum of their budgets, C their context
              tokens, D 1 where some row's budget is above 0, a constant per busy episode), with the
              calibration's price of skipping (StepModel) as s's prior until rows at several budgets ran;
-             d is 0 until steps with and without skipping rows ran in one episode (a batch whose rows
-             are all at budget 0 runs SGLang's own layers: no router, no routed path)
+             d is 0 unless the fit has it SURE standard errors above 0 (a batch whose rows are all at
+             budget 0 runs SGLang's own layers: no router, no routed path)
     step_j = step - s (T k_j - B) + d (D_j - D): the same step had its rows run at level j (the measured
              step says what it costs here, batch size, prefills and host included; s and d how it moves
              with the budgets)
@@ -175,7 +175,7 @@ class Saving:
     from the batch's size, so the fit leans on a prior: the share of a step the calibration prices a
     level's skipping at (at the steps' mean T), weighted as PRIOR steps whose budget sums span the
     ladder; once the server has run rows at several budgets the measured steps take over. d has no prior:
-    0 until an episode ran steps on both sides of it. On a CPU at small batches the calibration prices
+    0 unless the fit has it SURE standard errors above 0. On a CPU at small batches the calibration prices
     skipping at almost nothing (it prices layers, not attention over the context nor the host) while
     whole steps at the skipper's depth run 10-25% faster. Kept across idle: what a skipped layer saves
     does not change with the load."""
