@@ -89,6 +89,14 @@ def test_ramp_search_judges_each_rate_by_the_majority_of_three_and_reports_every
     rate, curve = find_rate(fake, "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2, 0.3, 0.4))
     assert rate == 2.0 and fake.calls == [1.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0]
     assert [round(p) for _, p in curve] == [10, 20, 50, 20, 30, 30, 60, 70]
+    # refined: 3 missed, so 2.5 (halfway to R) is judged: met, met -> R
+    fake = Fake([0.010, 0.020, 0.020, 0.030, 0.060, 0.070, 0.030, 0.035])
+    rate, curve = find_rate(fake, "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2, 0.3, 0.4),
+                            refine=True)
+    assert rate == 2.5 and fake.calls == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 2.5, 2.5], fake.calls
+    fake = Fake([0.010, 0.020, 0.020, 0.030, 0.060, 0.070, 0.050, 0.030, 0.045])  # 2.5 missed: R stays 2
+    rate, _ = find_rate(fake, "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2, 0.3, 0.4), refine=True)
+    assert rate == 2.0 and fake.calls[-3:] == [2.5, 2.5, 2.5]
     with pytest.raises(SystemExit, match="larger --tpot-ms"):
         find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2))
     rate, _ = find_rate(Fake([0.050, 0.050]), "u", rows, target_ms=40.0, cap=10.0, seed=0, search=(0.1, 0.2),

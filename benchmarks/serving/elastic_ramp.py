@@ -4,11 +4,13 @@
    elastic one, which takes the target at start): its saturated capacity, then the highest offered rate
    (a fraction of that capacity, `SEARCH`) at which its p90 TPOT still meets the target: R. Each rate
    is measured up to three times and judged by the majority (two meeting, or two missing, settle it):
-   one noisy p90 must neither end the search nor carry it past the knee. `--tpot-ms auto` places the
-   target at the knee of upstream's latency: `MARGIN` x its p90 TPOT at `KNEE` x its capacity (the
-   median of three measurements: near the knee one p90 moved from 200 to 330 ms between two runs), so
-   `KNEE` x capacity meets it by two of three and the search starts above it. (Below the knee a CPU
-   server's p90 TPOT hardly moves with load, so a target set there was met at every step of the ramp.)
+   one noisy p90 must neither end the search nor carry it past the knee; the grid's step above R is
+   then halved once (R to within 0.05x capacity, so that 1.1x R is past the knee, not inside the step).
+   `--tpot-ms auto` places the target at the knee of upstream's latency: `MARGIN` x its p90 TPOT at
+   `KNEE` x its capacity (the median of three measurements: near the knee one p90 moved from 200 to 330
+   ms between two runs), so `KNEE` x capacity meets it by two of three and the search starts above it.
+   (Below the knee a CPU server's p90 TPOT hardly moves with load, so a target set there was met at
+   every step of the ramp.)
 2. Servers side by side (one CPU thread each, --sleep-on-idle, /metrics on): upstream; vskipper held
    at level 0 (rate 0 over the routed layers: vskipper's engine path, nothing skipped); per skipper
    (RandomSkip 0.5 over the second half of the layers, and on the bundled model the shipped trained
@@ -136,24 +138,32 @@ def capacity(client, url: str, rows: list, seed: int) -> float:
 
 
 def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: int, search=SEARCH,
-              strict: bool = True, floor: float | None = None) -> tuple[float, list]:
+              strict: bool = True, floor: float | None = None, refine: bool = False) -> tuple[float, list]:
     """Upstream's highest rate (of `search` x its saturated capacity `cap`) whose p90 TPOT meets the
     target by the majority of up to three measurements, the first rate missing it by that majority
-    ending the search; `floor` (req/s): a rate already known to meet it, R when no rate searched does
-    (strict=False, for a smoke run: the lowest rate searched when none does and there is no floor).
-    rows_for(rate): (the requests to offer at that rate, how many at their head are the warm-up)."""
+    ending the search; `refine`: then the rate halfway between that one and R is judged the same way,
+    and is R if met (the grid's step halved); `floor` (req/s): a rate already known to meet it, R when no
+    rate searched does (strict=False, for a smoke run: the lowest rate searched when none does and there
+    is no floor). rows_for(rate): (the requests to offer at that rate, how many at their head are the
+    warm-up)."""
     best, curve = floor, []
-    for f in search:
-        met = missed = 0
+
+    def met(rate: float) -> bool:
+        ok = missed = 0
         for attempt in range(3):
-            rows, warm = rows_for(f * cap)
-            m = measure(client, url, rows, f * cap, seed + 1 + attempt, warm)
-            curve.append((f * cap, m["tpot_p90_ms"]))
-            log(f"  {f * cap:.3f} req/s ({f:g}x capacity): p90 TPOT {m['tpot_p90_ms']:.1f} ms")
-            met, missed = (met + 1, missed) if m["tpot_p90_ms"] <= target_ms else (met, missed + 1)
-            if max(met, missed) == 2:
+            rows, warm = rows_for(rate)
+            m = measure(client, url, rows, rate, seed + 1 + attempt, warm)
+            curve.append((rate, m["tpot_p90_ms"]))
+            log(f"  {rate:.3f} req/s ({rate / cap:.3g}x capacity): p90 TPOT {m['tpot_p90_ms']:.1f} ms")
+            ok, missed = (ok + 1, missed) if m["tpot_p90_ms"] <= target_ms else (ok, missed + 1)
+            if max(ok, missed) == 2:
                 break
-        if missed == 2:
+        return missed < 2
+
+    for f in search:
+        if not met(f * cap):
+            if refine and best is not None and met((best + f * cap) / 2):
+                best = (best + f * cap) / 2
             break
         best = f * cap
     if best is None and not strict:
@@ -161,7 +171,7 @@ def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: in
         best = search[0] * cap
     if best is None:
         raise SystemExit(f"upstream misses the {target_ms:g} ms target even at {search[0]:g}x its capacity: "
-                         f"give a larger --tpot-ms")
+                         f"give a larger --tpot-ms" + (" or a lower --search-from" if search[0] > SEARCH[0] else ""))
     return best, curve
 
 
@@ -300,6 +310,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rate", type=float, default=None,
                     help="R in req/s, given (with a numeric --tpot-ms): no search; e.g. the trained skipper's ramp "
                          "at an earlier run's target and R")
+    ap.add_argument("--search-from", type=float, default=SEARCH[0],
+                    help=f"the lowest multiple of upstream's capacity searched for R (default {SEARCH[0]:g}; the grid "
+                         f"steps by 0.1, and the step above R is halved once)")
     ap.add_argument("--requests", type=int, default=12, help="the fewest requests per step and system")
     ap.add_argument("--step-seconds", type=float, default=60.0,
                     help="seconds of arrivals per step and system (default 60)")
@@ -329,7 +342,9 @@ def main(argv=None) -> None:
         from vskipper.skippers.shipped import DEFAULT
 
         args.model, trained = str(smollm2_dir()), f"flexidepth:name={DEFAULT}"
-    steps, search = STEPS, SEARCH
+    steps, search = STEPS, tuple(f for f in SEARCH if f >= args.search_from - 1e-9)
+    if not search:
+        ap.error(f"--search-from {args.search_from:g}: give a multiple of capacity up to {SEARCH[-1]:g}")
     if args.smoke:
         args.requests, args.max_new_tokens, args.probes, steps, search, trained = 4, 8, 2, (0.5, 1.5), (0.3, 0.6), None
         args.step_seconds, args.warmup_seconds, args.rounds = 1.0, 1.0, 2
@@ -388,7 +403,8 @@ def main(argv=None) -> None:
                 auto = args.tpot_ms == "auto" and not args.smoke
                 rate, curve = find_rate(client, up, lambda r: rows_at(r, args.seed), target, cap, args.seed,
                                         tuple(f for f in search if f > KNEE) if auto else search,
-                                        strict=not args.smoke, floor=KNEE * cap if auto else None)
+                                        strict=not args.smoke, floor=KNEE * cap if auto else None,
+                                        refine=not args.smoke)
                 md = head(args, target, cap, rate, curve)
             (elastic,) = [s for s in systems_for(args.model, name, spec, target) if s.name.startswith("elastic")]
             servers.update(start_all([elastic], args.out / "logs", threads=SERVER_THREADS, log_level="info"))
@@ -419,7 +435,8 @@ def head(args, target: float, cap: float, rate: float, curve: list) -> str:
            if args.rate is None and curve and rate >= max(r for r, _ in curve) else "")
     found = ("given (--rate: found by an earlier run at this target)" if args.rate is not None else
              f"upstream's highest rate meeting it by the majority of up to 3 runs (search on the ramp's upstream, "
-             f"its other servers up{floor}; req/s: p90 TPOT ms: {curve_s}{top})")
+             f"its other servers up, from {args.search_from:g}x capacity in steps of 0.1x, the step above R halved "
+             f"once{floor}; req/s: p90 TPOT ms: {curve_s}{top})")
     return (f"Target p90 TPOT {target:.1f} ms ({how}); R = {rate:.3f} req/s, {found}; {args.rounds} rounds, "
             f"steps and servers in random order; each step {args.warmup_seconds:g} s of warm-up arrivals (not "
             f"counted) then {args.step_seconds:g} s of measured ones (at least {args.requests} requests), so a "
