@@ -12,8 +12,6 @@ from vskipper.elastic import (
     DOWN,
     DRAIN,
     DWELL,
-    EXPLORE,
-    GAIN,
     HISTORY,
     LADDER,
     LEARN,
@@ -132,36 +130,37 @@ def noisy_steps(c: Controller, now: float, n: int, ms: float, budgets, rng, spre
     return now
 
 
-@pytest.mark.parametrize("top_ms,seed,spread", [(4.5, 2, 1.5), (5.0, 0, 1.0)])
+@pytest.mark.parametrize("top_ms,seed,spread", [(4.5, 2, 1.5), (5.25, 0, 1.0)])
 def test_over_the_target_noisy_steps_take_level_0_only_once_they_show_skipping_saves_nothing(top_ms, seed, spread):
     """Steps of 5 ms at level 0, give or take `spread`: a few of them can fit a saving of 0 where skipping
     saves 10% (4.5 ms at the top; a rule that read the fit as it stood held level 0 for most of this
     load). Level 0 only once the saving, SURE standard errors higher, still makes the top less than GAIN
-    faster; the top once, SURE standard errors lower, it makes it GAIN faster; unsure, the side measured
-    less, which is what narrows the fit."""
+    faster (5.25 ms at the top: a router that costs more than its skips save); unsure, the side measured
+    less while it has fewer than PROBE steps, which is what narrows the fit, else the top."""
     rng = random.Random(seed)
     c = Controller(Target(tpot_ms=1.0, period_s=0.5), ladder(L), step_model(), now=0.0)
     now = noisy_steps(c, 0.0, STREAM, 5.0, [0] * 8, rng, spread)
     assert c.tick(now + 1, [0] * 8, 4) and c.level == L, c.reason
     levels, reasons = [], []
-    for _ in range(40):
+    for _ in range(60):
         now = noisy_steps(c, now + 1, DWELL, top_ms if c.level == L else 5.0, [ladder(L)[c.level]] * 8, rng, spread)
         c.tick(now + 1, [0] * 8, 4)
         levels.append(c.level)
         reasons.append(c.reason)
     measuring = [i for i, r in enumerate(reasons) if "or not: level" in r and "to measure it" in r]
     assert measuring, reasons
-    if top_ms < 5.0:  # a real saving: measured, then the top (level 0 measured again now and then, EXPLORE)
+    if top_ms < 5.0:  # a real saving: measured, then the top (level 0 measured again now and then, PROBE)
         assert levels.count(0) <= 8 and levels[-20:].count(L) >= 18, levels
-    else:  # none: measured, then level 0
+    else:  # slower: measured, then level 0 (the top measured again now and then, PROBE)
         sure = [i for i, r in enumerate(reasons) if "less than 2% faster at the top than at level 0: level 0" in r]
-        assert sure and measuring[0] < sure[0] and levels[-10:] == [0] * 10, levels
+        assert sure and measuring[0] < sure[0] and levels[-20:].count(0) >= 18, levels
 
 
-def test_over_the_target_still_unsure_once_both_sides_are_measured_the_fits_figure_decides():
+def test_over_the_target_still_unsure_once_both_sides_are_measured_the_top_runs():
     """Steps of 5 ms at level 0 and 4.5 ms at the top, give or take 5 ms: the fit stays unsure of GAIN. The side
-    measured less is run while it has fewer than PROBE or an EXPLORE share of the fit's steps; then the fit's
-    own figure decides (running the side measured less every time put half the decisions at level 0)."""
+    measured less is run while it has fewer than PROBE of the fit's steps; then the top (the target is missed
+    and skipping may help). Deciding by the fit's point figure there put 31% of the decisions at level 0,
+    running the side measured less every time half."""
     at_0 = decisions = 0
     for seed in range(4):
         rng = random.Random(seed)
@@ -175,11 +174,10 @@ def test_over_the_target_still_unsure_once_both_sides_are_measured_the_fits_figu
             c.tick(now + 1, [0] * 8, 4)
             at_0, decisions = at_0 + (c.level == 0), decisions + 1
             if "to measure it" in c.reason:
-                assert fewer < max(PROBE, EXPLORE * len(c.saving.steps)), (fewer, c.reason)
+                assert fewer < PROBE, (fewer, c.reason)
             if "both measured" in c.reason:
-                assert fewer >= max(PROBE, EXPLORE * len(c.saving.steps)), (fewer, c.reason)
-                assert c.level == (L if c.top_gain()[1] >= GAIN else 0), c.reason
-    assert at_0 < 0.36 * decisions, (at_0, decisions)
+                assert fewer >= PROBE and c.level == L, (fewer, c.reason)
+    assert at_0 < 0.15 * decisions, (at_0, decisions)
 
 
 def test_rule_judges_a_streams_length_of_steps_so_one_prefill_does_not_raise_it():

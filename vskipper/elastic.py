@@ -35,8 +35,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           trade quality for nothing; a few noisy steps that fit a saving of 0 do not show that); and
           where SURE standard errors either way leave it unsure of GAIN, whichever of level 0 and the
           top fewer of the fit's steps ran at (measuring it narrows the fit) while it ran fewer than PROBE
-          or an EXPLORE share of them; else the top if the fit's own figure makes it GAIN faster, else
-          level 0 (always measuring the less measured side ran half a heavy load at level 0)
+          of them; else the top (the target is missed and skipping may help; always measuring the less
+          measured side ran half a heavy load at level 0, and so did deciding by the fit's noisy point
+          figure)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
@@ -81,8 +82,7 @@ GAIN = 0.02  # over the target, skipping measured to make streams less than this
 # (priced step by step at the batches that ran: a cheaper step also shrinks the batch, so a few % here
 # is 10-20% of a fixed-depth server's p90 TPOT)
 PROBE = HISTORY  # unsure of the top's gain, the side measured less is run while it has fewer of the fit's steps
-EXPLORE = 0.25  # than PROBE or this share of them; then the fit's own figure decides (run to balance them, half
-# a heavy load went to level 0 where the top was measured 0-33% faster)
+# than this (an eighth of LEARN); then the top
 SURE = 2.0  # standard errors: "measured" means even the saving plus SURE of them falls short of GAIN
 
 
@@ -395,19 +395,18 @@ class Controller:
             elif (g := self.top_gain()) is not None and g[2] < GAIN:
                 j, why = 0, (f", skipping measured to make streams less than {GAIN:.0%} faster at the top "
                              "than at level 0: level 0")
-            elif g is not None and g[0] < GAIN:  # not surely either way
-                deep = self.saving.deep_steps()
-                shallow = len(self.saving.steps) - deep
-                less, fewer = (0, shallow) if deep > shallow else (self.top, deep)
-                unsure = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, not surely "
-                          f"{GAIN:.0%} or not: ")
-                if fewer < max(PROBE, EXPLORE * len(self.saving.steps)):  # measuring it narrows the fit
-                    j, why = less, unsure + f"level {less}, the less measured, to measure it"
-                else:  # both sides measured and still unsure: the fit's own figure decides
-                    j = self.top if g[1] >= GAIN else 0
-                    why = unsure + f"both measured, level {j} by the fit's {g[1]:.0%}"
             else:
                 j, why = self.top, f", no level predicted within {DOWN:g} x target: the top"
+                if g is not None and g[0] < GAIN:  # not surely either way
+                    deep = self.saving.deep_steps()
+                    shallow = len(self.saving.steps) - deep
+                    less, fewer = (0, shallow) if deep > shallow else (self.top, deep)
+                    unsure = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, not surely "
+                              f"{GAIN:.0%} or not: ")
+                    if fewer < PROBE:  # measuring it narrows the fit
+                        j, why = less, unsure + f"level {less}, the less measured, to measure it"
+                    else:  # the target is missed and skipping may help: the skipper has the benefit of the doubt
+                        why = unsure + "both measured, the top"
             return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
