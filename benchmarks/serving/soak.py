@@ -137,7 +137,9 @@ def soak(args) -> Report:
             ensure_calibration(model, "cpu", "float32", args.threads or torch.get_num_threads(), 64, log)
         env += (("VSKIPPER_TPOT_MS", f"{args.tpot_ms:g}"), ("VSKIPPER_STATS_INTERVAL", "8"))  # 8: /metrics export
         extra = ("--enable-metrics",)
-    server: Server = start(System("soak", model, args.skipper, env, args=extra), out)
+    # with elastic depth, log at info: the server log then holds the controller's decisions and their reasons
+    server: Server = start(System("soak", model, args.skipper, env, args=extra), out,
+                           log_level="info" if args.tpot_ms else "warning")
     try:
         from benchmarks.serving.client import Client
 
