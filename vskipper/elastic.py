@@ -36,8 +36,8 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           where SURE standard errors either way leave it unsure of GAIN, whichever of level 0 and the
           top fewer of the fit's steps ran at (measuring it narrows the fit) while it ran fewer than PROBE
           of them; else the top (the target is missed and skipping may help; always measuring the less
-          measured side ran half a heavy load at level 0, and so did deciding by the fit's noisy point
-          figure)
+          measured side ran half a heavy load at level 0, deciding by the fit's noisy point figure a
+          third)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
