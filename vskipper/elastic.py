@@ -30,14 +30,16 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving), unless the
-          measured saving (not the prior), even SURE standard errors higher (of T s k_top - d), prices
-          the top's streams less than GAIN under level 0's: then level 0 (a skipper that costs about what it saves would
-          trade quality for nothing; a few noisy steps that fit a saving of 0 do not show that); and
-          where SURE standard errors either way leave it unsure of GAIN, whichever of level 0 and the
-          top fewer of the fit's steps ran at (measuring it narrows the fit) while it ran fewer than PROBE
-          of them; else the top (the target is missed and skipping may help; always measuring the less
-          measured side ran half a heavy load at level 0, deciding by the fit's noisy point figure a
-          third)
+          measured saving (not the prior), SURE standard errors lower, prices the top's streams less than
+          GAIN faster than level 0's (of T s k_top - d): then, while one of level 0 and the top ran fewer
+          than PROBE of the fit's steps, that one (measuring it narrows the fit: a few steps do not show
+          that skipping saves nothing, nor that it saves something; a fit sure of "under GAIN" from a
+          few dozen steps at the top, which ran at the heaviest of an overload, held RandomSkip 0.5 at
+          level 0 for minutes); else level 0 where even SURE standard errors higher it is under GAIN (a
+          skipper that costs about what it saves would trade quality for nothing); else, unsure with
+          both sides measured, the top (the target is missed and skipping may help; always measuring
+          the less measured side ran half a heavy load at level 0, deciding by the fit's noisy point
+          figure a third)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
           is the hysteresis; one level at a time, the measured steps judging each)
@@ -81,8 +83,8 @@ FLOOR = 0.25  # a step priced at any level keeps at least this share of its meas
 GAIN = 0.02  # over the target, skipping measured to make streams less than this share faster -> level 0
 # (priced step by step at the batches that ran: a cheaper step also shrinks the batch, so a few % here
 # is 10-20% of a fixed-depth server's p90 TPOT)
-PROBE = HISTORY  # unsure of the top's gain, the side measured less is run while it has fewer of the fit's steps
-# than this (an eighth of LEARN); then the top
+PROBE = HISTORY  # not sure the top gains GAIN, the side measured less is run while it has fewer of the fit's steps
+# than this (an eighth of LEARN); then level 0 if sure it does not, else the top
 SURE = 2.0  # standard errors: "measured" means even the saving plus SURE of them falls short of GAIN
 
 
@@ -390,23 +392,26 @@ class Controller:
                 + self.describe_saving())
         if est[c] > t.tpot_ms:
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
+            g = None if fits else self.top_gain()
+            deep = self.saving.deep_steps()
+            less, fewer = (0, len(self.saving.steps) - deep) if 2 * deep > len(self.saving.steps) else (self.top, deep)
             if fits:
                 j, why = fits[0], ""
-            elif (g := self.top_gain()) is not None and g[2] < GAIN:
+            elif g is not None and g[0] < GAIN and fewer < PROBE:
+                # not surely GAIN, and one side ran too few of the fit's steps to say it surely is not either:
+                # measuring that side narrows the fit (a fit sure of "under GAIN" from a few steps at the top,
+                # run at a server's heaviest load, held RandomSkip 0.5 at level 0 for minutes)
+                j, why = less, (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, level "
+                                f"{less} on {fewer} of the fit's steps: level {less}, the less measured, to measure it")
+            elif g is not None and g[2] < GAIN:
                 j, why = 0, (f", skipping measured to make streams less than {GAIN:.0%} faster at the top "
                              "than at level 0: level 0")
             else:
                 j, why = self.top, f", no level predicted within {DOWN:g} x target: the top"
-                if g is not None and g[0] < GAIN:  # not surely either way
-                    deep = self.saving.deep_steps()
-                    shallow = len(self.saving.steps) - deep
-                    less, fewer = (0, shallow) if deep > shallow else (self.top, deep)
-                    unsure = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, not surely "
-                              f"{GAIN:.0%} or not: ")
-                    if fewer < PROBE:  # measuring it narrows the fit
-                        j, why = less, unsure + f"level {less}, the less measured, to measure it"
-                    else:  # the target is missed and skipping may help: the skipper has the benefit of the doubt
-                        why = unsure + "both measured, the top"
+                if g is not None and g[0] < GAIN:  # not surely either way, both sides measured
+                    # the target is missed and skipping may help: the skipper has the benefit of the doubt
+                    why = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, not surely "
+                           f"{GAIN:.0%} or not: both measured, the top")
             return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)

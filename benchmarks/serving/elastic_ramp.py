@@ -22,9 +22,10 @@
    lengths; the same requests to every server in a round, new ones in the next): `--warmup-seconds` of
    arrivals that are not counted, then `--step-seconds` of measured ones (at least `--requests`). The
    warm-up makes a step's figures the server's steady state at that load: every step starts from an idle
-   server, and elastic depth starts every busy spell at level 0 and decides after some seconds of steps,
-   so a burst measured from idle judges the first seconds' transient more than the load (the p90 over
-   every request, warm-up included, is reported beside it). (A fixed count at every step would keep the
+   server, and elastic depth starts every busy spell at level 0 and rises only once its streams' p90 TPOT
+   misses the target: near R its server logs show that 20-25 s into the load, and the rows admitted at
+   level 0 meanwhile leave the batch a request's lifetime later, so a step measured from 20 s judged that
+   transient more than the load (the p90 over every request, warm-up included, is reported beside it). (A fixed count at every step would keep the
    lowest step's arrivals going 6x as long as the highest's.) Per step and system, over the measured
    requests of all its rounds (one 30 s step's p90 moved by 20-30% between runs): p50/p90 TPOT and TTFT,
    output tok/s, the skip fraction of routed-layer work (the servers' route counters on /metrics, read
@@ -318,8 +319,8 @@ def main(argv=None) -> None:
                     help="seconds of arrivals per step and system (default 60)")
     ap.add_argument("--skippers", default="random,trained",
                     help="which skippers: random (RandomSkip 0.5), trained (the shipped one), or both")
-    ap.add_argument("--warmup-seconds", type=float, default=20.0,
-                    help="seconds of arrivals before each step's measured ones, not counted (default 20)")
+    ap.add_argument("--warmup-seconds", type=float, default=60.0,
+                    help="seconds of arrivals before each step's measured ones, not counted (default 60)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--probes", type=int, default=8, help="fixed prompts at the head of every step (agreement)")
     ap.add_argument("--rounds", type=int, default=3,
