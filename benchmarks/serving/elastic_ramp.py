@@ -18,20 +18,20 @@
    the target ("elastic"). Elastic servers price their levels by the cost calibration, measured here
    first if this CPU has none.
 3. `--rounds` rounds over the steps; in each, the steps in a random order and, per step, the servers in a
-   random order (seeded). A step offers `STEPS` x R req/s (seeded Poisson arrivals, pinned output
-   lengths; the same requests to every server in a round, new ones in the next): `--warmup-seconds` of
-   arrivals that are not counted, then `--step-seconds` of measured ones (at least `--requests`). The
-   warm-up makes a step's figures the server's steady state at that load: every step starts from an idle
-   server, and elastic depth starts every busy spell at level 0 and rises only once its streams' p90 TPOT
-   misses the target: near R its server logs show that 20-25 s into the load, and the rows admitted at
-   level 0 meanwhile leave the batch a request's lifetime later, so a step measured from 20 s judged that
-   transient more than the load (the p90 over every request, warm-up included, is reported beside it). (A fixed count at every step would keep the
-   lowest step's arrivals going 6x as long as the highest's.) Per step and system, over the measured
-   requests of all its rounds (one 30 s step's p90 moved by 20-30% between runs): p50/p90 TPOT and TTFT,
-   output tok/s, the skip fraction of routed-layer work (the servers' route counters on /metrics, read
-   when the first measured request is sent and after the run), tokens per elastic level, greedy agreement
-   with upstream on a fixed probe subset (the first `--probes` measured requests of every step are the
-   same prompts), and each round's own p90.
+   random order (seeded). A step offers `STEPS` x R req/s (seeded Poisson arrivals, pinned output lengths;
+   the same requests to every server in a round, new ones in the next): `--warmup-seconds` of arrivals that
+   are not counted, then `--step-seconds` of measured ones (at least `--requests`). The warm-up makes a
+   step's figures the server's steady state at that load: every step starts from an idle server, and
+   elastic depth starts every busy spell at level 0 and rises only once its streams' p90 TPOT misses the
+   target: near R its server logs show that 20-25 s into the load, and the rows admitted at level 0
+   meanwhile leave the batch a request's lifetime later, so a step measured from 20 s judged that transient
+   more than the load (the p90 over every request, warm-up included, is reported beside it). (A fixed count
+   at every step would keep the lowest step's arrivals going 6x as long as the highest's.) Per step and
+   system, over the measured requests of all its rounds (one 30 s step's p90 moved by 20-30% between runs):
+   p50/p90 TPOT and TTFT, output tok/s, the skip fraction of routed-layer work (the servers' route counters
+   on /metrics, read when the first measured request is sent and after the run), tokens per elastic level,
+   greedy agreement with upstream on a fixed probe subset (the first `--probes` measured requests of every
+   step are the same prompts), and each round's own p90.
 4. A table per skipper, results.json, a figure (p90 TPOT and skip fraction against offered load, the
    target drawn) and the page docs/results/elastic-ramp.md.
 `--smoke`: tiny sizes, RandomSkip only (a check that the script runs, not a measurement).
