@@ -338,7 +338,7 @@ def test_over_the_target_a_skipper_whose_routed_path_costs_what_it_saves_is_held
     assert not c.tick(now + 1, [L] * 8, 4) and c.level == L and "to measure it" in c.reason, c.reason
     now = run_steps(c, now + 1, PROBE - 48, cost([L] * 8), [L] * 8)
     assert c.tick(now + 1, [L] * 8, 4) and c.level == 0, c.reason
-    assert "the top measured -" in c.reason, c.reason  # surely slower
+    assert re.search(r"the top measured -\d+% to -\d+% faster", c.reason), c.reason  # surely slower
     assert c.saving.routed == pytest.approx(8.5, rel=0.05) and c.saving.value == pytest.approx(0.25, rel=0.05)
     # draining: the top's rows leave one by one; until DWELL steps of a drained batch ran, it measures
     now += 1
