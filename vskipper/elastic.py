@@ -41,8 +41,11 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           the less measured side ran half a heavy load at level 0, deciding by the fit's noisy point
           figure a third)
     over: p90 TTFT > ttft -> c + 1
-    under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 (the gap between 1 and DOWN
-          is the hysteresis; one level at a time, the measured steps judging each)
+    under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 once FALL steps ran at c (the
+          gap between 1 and DOWN is the hysteresis; one level at a time, every step kept at c judging each:
+          at a load near the target, the lulls between Poisson arrivals (a batch of 7-11 rows where 17-27
+          run on average) walked a level per DWELL steps from the top to level 0 in 13 s, and the batch
+          regrew at level 0)
     else keep.
 Up fast, down slowly: a server over its target misses it for every stream it admits meanwhile, one
 running under it only skips more than it needs until the next period's step down. The first decision
@@ -77,6 +80,7 @@ DRAIN = 4 * STREAM  # at level 0, decode steps the rule waits at most for DWELL 
 HISTORY = 2 * STREAM  # decode steps kept
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
+FALL = HISTORY  # decode steps at a level before the rule steps down from it: every step kept ran at it
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
@@ -416,6 +420,9 @@ class Controller:
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
+            if self.fresh < FALL:  # a lull between arrivals, until the steps kept all ran at this level
+                return self._set(c, f"holding: level {c - 1} predicted at {est[c - 1]:.1f} ms, within {DOWN:g} x "
+                                    f"target, after {self.fresh} of the {FALL} steps a fall waits for ({load})", now)
             return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, within "
                                     f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         return self._set(c, f"holding ({load})", now)
