@@ -397,8 +397,10 @@ class Controller:
         if est[c] > t.tpot_ms:
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
             g = None if fits else self.top_gain()
-            deep = self.saving.deep_steps()
-            less, fewer = (0, len(self.saving.steps) - deep) if 2 * deep > len(self.saving.steps) else (self.top, deep)
+            less, fewer = 0, PROBE
+            if g is not None and g[0] < GAIN:  # which of level 0 and the top ran fewer of the fit's steps
+                deep, n_fit = self.saving.deep_steps(), len(self.saving.steps)
+                less, fewer = (0, n_fit - deep) if 2 * deep > n_fit else (self.top, deep)
             if fits:
                 j, why = fits[0], ""
             elif g is not None and g[0] < GAIN and fewer < PROBE:
