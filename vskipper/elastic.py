@@ -48,8 +48,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           regrew at level 0)
     else keep.
 Up fast, down slowly: a server over its target misses it for every stream it admits meanwhile, one
-running under it only skips more than it needs until the next period's step down. The first decision
-of a busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
+running under it only skips more than it needs until its next step down (after FALL steps at the level).
+The first decision of a busy spell comes after DWELL steps (a few seconds), its estimate the mean of the
+steps so far.
 Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
 request's prefill is several times a decode step, and the running count moves with every arrival, so a
 rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
