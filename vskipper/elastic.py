@@ -8,7 +8,7 @@ layers as the request's budget, through the same per-row budget buffer as the re
 
 The rule, once per control period (`Target.period_s`), from what the scheduler knows:
     step   = the time between two decode steps: what a running stream sees between two tokens (a
-             prefill run between them included); the last HISTORY steps are kept, at whatever level
+             prefill run between them included); the last FALL steps are kept, at whatever level
     s, d   = what one row saves per routed layer of budget, and what a step pays for running the routed
              path at all, in ms, on this server (Saving): fitted to the measured prefill-free steps
              (step = a + b T + c C - s B + d D: T rows, B the sum of their budgets, C their context
@@ -19,7 +19,7 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     step_j = step - s (T k_j - B) + d (D_j - D): the same step had its rows run at level j (the measured
              step says what it costs here, batch size, prefills and host included; s and d how it moves
              with the budgets)
-    est_j  = the 90th percentile, over every run of STREAM consecutive steps kept, of their mean step_j:
+    est_j  = the 90th percentile, over every run of STREAM consecutive steps of the last HISTORY, of their mean step_j:
              a stream's TPOT is the mean of its gaps, so est_j is the p90 TPOT of the recent streams
              had they run at level j (est_c, at the level c of the steps, is simply what they saw)
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
@@ -41,11 +41,11 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           the less measured side ran half a heavy load at level 0, deciding by the fit's noisy point
           figure a third)
     over: p90 TTFT > ttft -> c + 1
-    under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 once FALL steps ran at c (the
-          gap between 1 and DOWN is the hysteresis; one level at a time, every step kept at c judging each:
-          at a load near the target, the lulls between Poisson arrivals (a batch of 7-11 rows where 17-27
-          run on average) walked a level per DWELL steps from the top to level 0 in 13 s, and the batch
-          regrew at level 0)
+    under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 once FALL steps ran at c and
+          est_{c-1} over all FALL of them is within DOWN * tpot too (the gap between 1 and DOWN is the
+          hysteresis; one level at a time; a fall judged over several bursts and lulls: at a load near the
+          target the batch swings between 4 and 32 rows on a stream's time scale, and a rule that read the
+          last HISTORY steps fell a level in each lull of Poisson arrivals, the next burst admitted lower)
     else keep.
 Up fast, down slowly: a server over its target misses it for every stream it admits meanwhile, one
 running under it only skips more than it needs until its next step down (after FALL steps at the level).
@@ -78,10 +78,10 @@ LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
 DWELL = 16  # decode steps at a new level (or of a new busy spell) before the rule decides (again)
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
 DRAIN = 4 * STREAM  # at level 0, decode steps the rule waits at most for DWELL steps of a drained batch
-HISTORY = 2 * STREAM  # decode steps kept
+HISTORY = 2 * STREAM  # decode steps a rise is judged over
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
-FALL = HISTORY  # decode steps at a level before the rule steps down from it: every step kept ran at it
+FALL = 4 * HISTORY  # decode steps kept, a fall is judged over: it waits until they all ran at the level
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
@@ -289,7 +289,7 @@ class Controller:
         self.top = len(budgets) - 1
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
-        self.steps: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B) of each step
+        self.steps: deque[tuple[float, int, int]] = deque(maxlen=FALL)  # (ms, T, B) of each step
         self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed (at level 0: since the batch drained of skipping rows)
         self.drain = 0  # decode steps since the level changed
@@ -342,18 +342,24 @@ class Controller:
         """On a rank that does not decide: the level the deciding rank admitted the last request at."""
         self._set(level, "the level of the rank that receives the requests", now)
 
+    def recent(self) -> list[tuple[float, int, int]]:
+        """The last HISTORY steps kept: what a rise is judged over."""
+        return list(self.steps)[-HISTORY:]
+
     def observed(self) -> float | None:
-        """The p90 TPOT of a stream over the steps kept (ms), whatever the level (idle: the last one)."""
-        seen = stream_p90(ms for ms, _, _ in self.steps)
+        """The p90 TPOT of a stream over the last HISTORY steps (ms), whatever the level (idle: the last one)."""
+        seen = stream_p90(ms for ms, _, _ in self.recent())
         return self.last_seen if seen is None else seen
 
-    def estimates(self, s: float | None = None) -> list[float]:
-        """est_j of every level (ms): each step kept, priced at level j by what skipping saves here (or by
-        `s` ms per row and routed layer of budget) and what running the routed path at all costs."""
+    def estimates(self, s: float | None = None, steps=None) -> list[float]:
+        """est_j of every level (ms): each of `steps` (default the last HISTORY), priced at level j by what
+        skipping saves here (or by `s` ms per row and routed layer of budget) and what running the routed
+        path at all costs."""
         if s is None:
             s = self.saving.fit() or 0.0
         d = self.saving.routed
-        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B) + d * ((k > 0) - (B > 0))) for ms, T, B in self.steps)
+        steps = self.recent() if steps is None else steps
+        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B) + d * ((k > 0) - (B > 0))) for ms, T, B in steps)
                 for k in self.budgets]
 
     def top_gain(self) -> tuple[float, float, float] | None:
@@ -426,8 +432,13 @@ class Controller:
             if self.fresh < FALL:  # a lull between arrivals, until the steps kept all ran at this level
                 return self._set(c, f"holding: level {c - 1} predicted at {est[c - 1]:.1f} ms, within {DOWN:g} x "
                                     f"target, after {self.fresh} of the {FALL} steps a fall waits for ({load})", now)
-            return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, within "
-                                    f"{DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
+            long = self.estimates(steps=list(self.steps))[c - 1]
+            if long > DOWN * t.tpot_ms:  # the last HISTORY steps were a lull: the bursts before them say no
+                return self._set(c, f"holding: level {c - 1} predicted at {est[c - 1]:.1f} ms over the last "
+                                    f"{HISTORY} steps, at {long:.1f} ms over the last {FALL}, over {DOWN:g} x "
+                                    f"target ({load})", now)
+            return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, {long:.1f} ms over the last "
+                                    f"{FALL} steps, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         return self._set(c, f"holding ({load})", now)
 
     def describe_saving(self) -> str:
