@@ -9,9 +9,9 @@
    `--tpot-ms auto` places the target at the knee of upstream's latency: `MARGIN` x its p90 TPOT at
    `KNEE` x its capacity (the median of three measurements: near the knee one p90 moved from 200 to 330
    ms between two runs), so `KNEE` x capacity meets it by two of three and the search starts above it.
-   (At 0.8 x capacity R landed at 0.95x capacity, where RandomSkip 0.5 at fixed depth, the most any level
-   gives, itself missed the target from 1.1x R: the ramp could not show a target held past upstream's R.
-   At 0.7 a noisy knee, p90s of 172, 233 and 235 ms, put R at 0.95x too, and fixed depth met 1-1.25x R.)
+   (A knee placed nearer capacity puts R so close to it that the skipper at fixed depth, the most any
+   level gives, can itself miss the target from 1.1x R, and the ramp cannot show a target held past R;
+   on a noisy machine a run can still land there: its page says what fixed depth reached.)
    (Below the knee a CPU server's p90 TPOT hardly moves with load, so a target set there was met at
    every step of the ramp.)
 2. Servers side by side (one CPU thread each, --sleep-on-idle, /metrics on): upstream; vskipper held
