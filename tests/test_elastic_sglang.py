@@ -94,8 +94,7 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
     assert loaded[2] == capped, "max_skip 0.25 is stricter than the top level"
     # back to level 0: at idle, or before, under the load, once the top's steps are measured to save nothing
     # (on this tiny model the host's work is most of a step)
-    assert re.search(r"elastic depth level 4 -> 0: (idle|TPOT .* faster at the top than at level 0: level 0"
-                     r"|TPOT .* or not: level 0, the less measured, to measure it)",
+    assert re.search(r"elastic depth level 4 -> 0: (idle|TPOT .* faster at the top than at level 0: level 0)",
                      err), levels
     assert after == upstream[0], "after the load: level 0 again"
     line = [x for x in err.splitlines() if "elastic level" in x][-1]

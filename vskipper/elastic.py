@@ -30,16 +30,14 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving), unless the
-          measured saving (not the prior), SURE standard errors lower, prices the top's streams less than
-          GAIN faster than level 0's (of T s k_top - d): then, while one of level 0 and the top ran fewer
-          than PROBE of the fit's steps, that one (measuring it narrows the fit: a few steps do not show
-          that skipping saves nothing, nor that it saves something; a fit sure of "under GAIN" from a
-          few dozen steps at the top, which ran at the heaviest of an overload, held RandomSkip 0.5 at
-          level 0 for minutes); else level 0 where even SURE standard errors higher it is under GAIN (a
-          skipper that costs about what it saves would trade quality for nothing); else, unsure with
-          both sides measured, the top (the target is missed and skipping may help; always measuring
-          the less measured side ran half a heavy load at level 0, deciding by the fit's noisy point
-          figure a third)
+          measured saving (not the prior), even SURE standard errors higher, prices the top's streams
+          less than GAIN faster than level 0's (of T s k_top - d), from at least PROBE of the fit's steps
+          at each of level 0 and the top: then level 0 (a skipper that costs about what it saves would
+          trade quality for nothing). Unsure, or sure from fewer steps, the top: the target is missed and
+          skipping may help, and running the top is what narrows the fit (level 0's steps come from the
+          start of every busy spell and from falls; a fit sure of "under GAIN" from a few dozen steps at the
+          top, which ran at the heaviest of an overload, held RandomSkip 0.5 at level 0 for minutes; a rule
+          that ran the less measured side to measure it ran much of a load near R at level 0)
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 once FALL steps ran at c and
           est_{c-1} over all FALL of them is within DOWN * tpot too (the gap between 1 and DOWN is the
@@ -88,8 +86,8 @@ FLOOR = 0.25  # a step priced at any level keeps at least this share of its meas
 GAIN = 0.02  # over the target, skipping measured to make streams less than this share faster -> level 0
 # (priced step by step at the batches that ran: a cheaper step also shrinks the batch, so a few % here
 # is 10-20% of a fixed-depth server's p90 TPOT)
-PROBE = HISTORY  # not sure the top gains GAIN, the side measured less is run while it has fewer of the fit's steps
-# than this (an eighth of LEARN); then level 0 if sure it does not, else the top
+PROBE = HISTORY  # over the target, level 0 for a skipper surely under GAIN needs this many of the fit's steps at
+# level 0 and at the top (an eighth of LEARN each); fewer do not show that skipping saves nothing
 SURE = 2.0  # standard errors: "measured" means even the saving plus SURE of them falls short of GAIN
 
 
@@ -270,9 +268,10 @@ class Saving:
         resid = y - X @ coef
         return coef, float(resid @ resid) / dof * np.linalg.pinv(X.T @ X)  # the usual least-squares covariance
 
-    def deep_steps(self) -> int:
-        """How many of the steps kept ran their rows at half the top's budget or more."""
-        return sum(1 for s in self.steps if 2 * s[2] >= s[1] * self.top)
+    def sides(self) -> tuple[int, int]:
+        """How many of the steps kept ran their rows below half the top's budget, and how many at half or more."""
+        deep = sum(1 for s in self.steps if 2 * s[2] >= s[1] * self.top)
+        return len(self.steps) - deep, deep
 
     def learned(self) -> bool:
         """Whether the steps say more about s than the prior does (their budget sums spread wider within
@@ -404,27 +403,18 @@ class Controller:
         if est[c] > t.tpot_ms:
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
             g = None if fits else self.top_gain()
-            less, fewer = 0, PROBE
-            if g is not None and g[0] < GAIN:  # which of level 0 and the top ran fewer of the fit's steps
-                deep, n_fit = self.saving.deep_steps(), len(self.saving.steps)
-                less, fewer = (0, n_fit - deep) if 2 * deep > n_fit else (self.top, deep)
             if fits:
                 j, why = fits[0], ""
-            elif g is not None and g[0] < GAIN and fewer < PROBE:
-                # not surely GAIN, and one side ran too few of the fit's steps to say it surely is not either:
-                # measuring that side narrows the fit (a fit sure of "under GAIN" from a few steps at the top,
-                # run at a server's heaviest load, held RandomSkip 0.5 at level 0 for minutes)
-                j, why = less, (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, level "
-                                f"{less} on {fewer} of the fit's steps: level {less}, the less measured, to measure it")
-            elif g is not None and g[2] < GAIN:
-                j, why = 0, (f", skipping measured to make streams less than {GAIN:.0%} faster at the top "
-                             "than at level 0: level 0")
+            elif g is not None and g[2] < GAIN and min(self.saving.sides()) >= PROBE:
+                j, why = 0, (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0: skipping measured "
+                             f"to make streams less than {GAIN:.0%} faster at the top than at level 0: level 0")
             else:
                 j, why = self.top, f", no level predicted within {DOWN:g} x target: the top"
-                if g is not None and g[0] < GAIN:  # not surely either way, both sides measured
-                    # the target is missed and skipping may help: the skipper has the benefit of the doubt
-                    why = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0, not surely "
-                           f"{GAIN:.0%} or not: both measured, the top")
+                if g is not None and g[0] < GAIN:  # not surely GAIN, not surely under it: the doubt to the skipper
+                    zero, deep = self.saving.sides()
+                    why = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0 (level 0 on {zero}, "
+                           f"the top on {deep} of the fit's steps; level 0 needs {PROBE} of each and {GAIN:.0%} "
+                           "surely missed): the top")
             return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
