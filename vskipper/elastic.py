@@ -29,15 +29,12 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           until then the steps show neither level 0 nor what the routed path costs
     over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
-          top (the most the skipper can give; its measured steps then teach the saving), unless the
-          measured saving (not the prior), even SURE standard errors higher, prices the top's streams
-          less than GAIN faster than level 0's (of T s k_top - d), from at least PROBE of the fit's steps
-          at each of level 0 and the top: then level 0 (a skipper that costs about what it saves would
-          trade quality for nothing). Unsure, or sure from fewer steps, the top: the target is missed and
-          skipping may help, and running the top is what narrows the fit (level 0's steps come from the
-          start of every busy spell and from falls; a fit sure of "under GAIN" from a few dozen steps at the
-          top, which ran at the heaviest of an overload, held RandomSkip 0.5 at level 0 for minutes; a rule
-          that ran the less measured side to measure it ran much of a load near R at level 0)
+          top (the most the skipper can give; its measured steps then teach the saving). Over the
+          target there is no verdict that skipping "saves nothing": the saving fitted in service mixes
+          the depth with the load (a busy spell starts at level 0 and reaches the top at its heaviest),
+          and such verdicts sent RandomSkip 0.5, whose steps are faster, to level 0 under loads its top
+          would have held; a skipper that saves nothing costs its quality only while the target is
+          missed anyway
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 once FALL steps ran at c and
           est_{c-1} over all FALL of them is within DOWN * tpot too (the gap between 1 and DOWN is the
@@ -55,9 +52,7 @@ rule that read a few steps' p90, or priced the instantaneous count, swung betwee
 The calibration prices layers, not a server's whole step, and on a CPU at small batches it prices skipping
 at almost nothing where whole steps at the skipper's depth run 10-25% faster: the saving is therefore learned
 from the server's own steps once it has run more than one depth; before that, where the prior sees no
-level that fits, the rule goes to the top and lets the measured steps bring it down, to level 0 if skipping
-is measured, with SURE standard errors to spare, to save less than GAIN (a skipper whose router costs what
-its skips save; under steady arrivals most steps carry a prefill and teach nothing, so that takes a while).
+level that fits, the rule goes to the top and lets the measured steps bring it down.
 Saving keeps the last LEARN steps: once the top's steps have left them, the prior speaks again and the top
 is tried again, so a saving that grows with the load (larger batches) is found.
 Plain host arithmetic (a 3-column least squares over a few hundred steps) once per period; nothing runs
@@ -83,12 +78,7 @@ FALL = 4 * HISTORY  # decode steps kept, a fall is judged over: it waits until t
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
-GAIN = 0.02  # over the target, skipping measured to make streams less than this share faster -> level 0
-# (priced step by step at the batches that ran: a cheaper step also shrinks the batch, so a few % here
-# is 10-20% of a fixed-depth server's p90 TPOT)
-PROBE = HISTORY  # over the target, level 0 for a skipper surely under GAIN needs this many of the fit's steps at
-# level 0 and at the top (an eighth of LEARN each); fewer do not show that skipping saves nothing
-SURE = 2.0  # standard errors: "measured" means even the saving plus SURE of them falls short of GAIN
+SURE = 2.0  # standard errors: what running the routed path costs (d) counts only this far above 0
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -196,9 +186,6 @@ class Saving:
         self.episode = 0
         self.value: float | None = None  # s, refitted by fit()
         self.routed = 0.0  # d, refitted by fit()
-        # s less and plus SURE standard errors of what the top saves over level 0 (T s k_top - d, at the
-        # steps' mean T), d held at its fit: what the steps allow
-        self.lower, self.upper = 0.0, math.inf
         self.prior: float | None = None
 
     def add(self, ms: float, budgets, context: int = 0) -> None:
@@ -243,14 +230,6 @@ class Saving:
         if coef is None:
             coef, cov = self._least_squares(cols, w, episodes, routed=False)
         self.value, self.routed = max(0.0, float(coef[1])), float(coef[3]) if len(coef) > 3 else 0.0
-        # the standard error of what the top saves over level 0 a step, T s k_top - d, read as one of s
-        se = math.inf
-        if cov is not None:
-            v = np.zeros(len(coef))
-            v[1] = t * self.top
-            v[3:] = -1.0
-            se = math.sqrt(max(0.0, float(v @ cov @ v))) / (t * self.top)
-        self.lower, self.upper = max(0.0, float(coef[1]) - SURE * se), max(0.0, float(coef[1]) + SURE * se)
         return self.value
 
     def _least_squares(self, cols: np.ndarray, w: float, episodes: int, routed: bool):
@@ -267,11 +246,6 @@ class Saving:
             return coef, None
         resid = y - X @ coef
         return coef, float(resid @ resid) / dof * np.linalg.pinv(X.T @ X)  # the usual least-squares covariance
-
-    def sides(self) -> tuple[int, int]:
-        """How many of the steps kept ran their rows below half the top's budget, and how many at half or more."""
-        deep = sum(1 for s in self.steps if 2 * s[2] >= s[1] * self.top)
-        return len(self.steps) - deep, deep
 
     def learned(self) -> bool:
         """Whether the steps say more about s than the prior does (their budget sums spread wider within
@@ -361,20 +335,6 @@ class Controller:
         return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B) + d * ((k > 0) - (B > 0))) for ms, T, B in steps)
                 for k in self.budgets]
 
-    def top_gain(self) -> tuple[float, float, float] | None:
-        """How much faster (a share) streams run at the top than at level 0, priced at the saving less SURE
-        standard errors, at the saving, and plus SURE standard errors; None while the steps do not say more
-        than the prior."""
-        sv = self.saving
-        sv.fit()
-        if not sv.learned() or not math.isfinite(sv.upper):
-            return None
-
-        def gain(s: float) -> float:
-            est = self.estimates(s)
-            return 1.0 - est[self.top] / max(est[0], 1e-9)
-        return gain(sv.lower), gain(sv.value), gain(sv.upper)
-
     def tick(self, now: float, running: list[int], waiting: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
         n = len(running) + waiting
@@ -402,19 +362,7 @@ class Controller:
                 + self.describe_saving())
         if est[c] > t.tpot_ms:
             fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
-            g = None if fits else self.top_gain()
-            if fits:
-                j, why = fits[0], ""
-            elif g is not None and g[2] < GAIN and min(self.saving.sides()) >= PROBE:
-                j, why = 0, (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0: skipping measured "
-                             f"to make streams less than {GAIN:.0%} faster at the top than at level 0: level 0")
-            else:
-                j, why = self.top, f", no level predicted within {DOWN:g} x target: the top"
-                if g is not None and g[0] < GAIN:  # not surely GAIN, not surely under it: the doubt to the skipper
-                    zero, deep = self.saving.sides()
-                    why = (f", the top measured {g[0]:.0%} to {g[2]:.0%} faster than level 0 (level 0 on {zero}, "
-                           f"the top on {deep} of the fit's steps; level 0 needs {PROBE} of each and {GAIN:.0%} "
-                           "surely missed): the top")
+            j, why = (fits[0], "") if fits else (self.top, f", no level predicted within {DOWN:g} x target: the top")
             return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
@@ -436,7 +384,7 @@ class Controller:
         if sv.value is None:
             return "skipping's saving not measured yet"
         return (f"a row saves {sv.value:.3f} ms per routed layer of budget ("
-                + (f"measured, at most {sv.upper:.3f}" if sv.learned() else "the calibration's prior")
+                + ("measured" if sv.learned() else "the calibration's prior")
                 + f", {len(sv.steps)} steps; prior {sv.prior:.3f}); a step running the routed path pays "
                 + (f"{sv.routed:.2f} ms for it" if sv.routed else "nothing measured for it"))
 
