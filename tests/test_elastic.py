@@ -128,7 +128,7 @@ def test_over_the_target_the_top_runs_even_where_its_steps_look_no_faster():
     """A busy spell's first steps at level 0 (5 ms, 8 rows, a light start) and then the top's at the spell's
     heaviest (6 ms, the same rows priced: the fit reads skipping as costing): over a target no level meets,
     the top, kept while the target is missed (a rule that sent level 0 on a fit that mixed the depth with
-    the load held RandomSkip 0.5, whose steps are faster, at level 0 under loads its top would have held);
+    the load held RandomSkip 0.5 at level 0 under loads where its top ran faster);
     noisy steps of 5 ms at level 0 and 4.5 at the top likewise run the top."""
     c = Controller(Target(tpot_ms=1.0, period_s=0.5), ladder(L), step_model(), now=0.0)
     now = run_steps(c, 0.0, HISTORY, 5.0)

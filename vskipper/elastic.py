@@ -32,9 +32,8 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           top (the most the skipper can give; its measured steps then teach the saving). Over the
           target there is no verdict that skipping "saves nothing": the saving fitted in service mixes
           the depth with the load (a busy spell starts at level 0 and reaches the top at its heaviest),
-          and such verdicts sent RandomSkip 0.5, whose steps are faster, to level 0 under loads its top
-          would have held; a skipper that saves nothing costs its quality only while the target is
-          missed anyway
+          and such verdicts sent RandomSkip 0.5 to level 0 under loads where its top ran faster; a
+          skipper that saves nothing costs its quality only while the target is missed anyway
     over: p90 TTFT > ttft -> c + 1
     under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 once FALL steps ran at c and
           est_{c-1} over all FALL of them is within DOWN * tpot too (the gap between 1 and DOWN is the
