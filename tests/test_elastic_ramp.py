@@ -169,10 +169,21 @@ def test_ramp_search_starts_from_a_floor_known_to_meet_the_target():
     assert rate == 8.0 and len(curve) == 2 and warms == [9.0, 9.0]  # 0.9x missed twice: R stays at the floor
 
 
-@pytest.mark.parametrize("argv", [["--rate", "2"], ["--rate", "0", "--tpot-ms", "300"], ["--rounds", "0"]])
-def test_ramp_refuses_a_given_rate_without_its_target_and_rounds_below_one(argv, capsys):
+@pytest.mark.parametrize("argv", [["--rate", "2"], ["--rate", "0", "--tpot-ms", "300"], ["--rounds", "0"],
+                                  ["--steps", "1,x"], ["--steps", "1,1"], ["--steps", "0,1"], ["--steps", ""],
+                                  ["--page", "../elastic"], ["--page", "Ramp"]])
+def test_ramp_refuses_a_given_rate_without_its_target_bad_steps_rounds_and_page_names(argv, capsys):
     from benchmarks.serving.elastic_ramp import main
 
     with pytest.raises(SystemExit):
         main(argv)
-    assert ("--rate" if "--rate" in argv else "--rounds") in capsys.readouterr().err
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_ramp_steps_are_read_lowest_first():
+    import argparse
+
+    from benchmarks.serving.elastic_ramp import STEPS, parse_steps
+
+    assert parse_steps(argparse.ArgumentParser(), "1.25,1,1.1") == (1.0, 1.1, 1.25)
+    assert parse_steps(argparse.ArgumentParser(), ",".join(f"{f:g}" for f in STEPS)) == STEPS

@@ -328,6 +328,12 @@ def main(argv=None) -> None:
     ap.add_argument("--probes", type=int, default=8, help="fixed prompts at the head of every step (agreement)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds over the steps, in random order; each step's figures pool its rounds' requests")
+    ap.add_argument("--steps", default=",".join(f"{f:g}" for f in STEPS),
+                    help="the steps, as multiples of R, comma-separated (default all of them; e.g. 1,1.1,1.25 with "
+                         "more --rounds where one round's p90 cannot tell the systems apart)")
+    ap.add_argument("--page", default=None,
+                    help="the results page's name (default elastic-ramp, or elastic-ramp-trained for the trained "
+                         "skipper alone): another name keeps a partial ramp beside the full one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, RandomSkip only: a check that it runs")
     R.add_arguments(ap, "elastic-ramp")
@@ -346,7 +352,9 @@ def main(argv=None) -> None:
         from vskipper.skippers.shipped import DEFAULT
 
         args.model, trained = str(smollm2_dir()), f"flexidepth:name={DEFAULT}"
-    steps, search = STEPS, tuple(f for f in SEARCH if f >= args.search_from - 1e-9)
+    steps, search = parse_steps(ap, args.steps), tuple(f for f in SEARCH if f >= args.search_from - 1e-9)
+    if args.page is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", args.page):
+        ap.error(f"--page {args.page!r}: give a name of lowercase letters, digits and dashes (the page is <name>.md)")
     if not search:
         ap.error(f"--search-from {args.search_from:g}: give a multiple of capacity up to {SEARCH[-1]:g}")
     if args.smoke:
@@ -418,14 +426,26 @@ def main(argv=None) -> None:
                 stop(srv)
         page = md
         for skipper, done in runs.items():
-            png = "elastic-ramp.png" if skipper == "random" else f"elastic-ramp-{skipper}.png"
+            base = args.page or "elastic-ramp"
+            png = f"{base}.png" if skipper == "random" else f"{base}-{skipper}.png"
             names = list(done[0]["systems"])
             page += f"\n\n## {skipper} (figure: {png})\n\n" + table(done, names, target)
             plot(done, names, target, args.out / png)
         print(page)
-        R.write_results("elastic-ramp" if "random" in skippers else "elastic-ramp-trained",
+        R.write_results(args.page or ("elastic-ramp" if "random" in skippers else "elastic-ramp-trained"),
                         {"target_ms": target, "capacity": cap, "rate": rate, "search": curve, "runs": runs,
                          "smoke": args.smoke}, page, args.out, R.docs_dir(args))
+
+
+def parse_steps(ap: argparse.ArgumentParser, text: str) -> tuple[float, ...]:
+    """--steps: distinct positive multiples of R, lowest first."""
+    try:
+        steps = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        steps = ()
+    if not steps or not all(math.isfinite(f) and f > 0 for f in steps) or len(set(steps)) != len(steps):
+        ap.error(f"--steps {text!r}: give distinct positive multiples of R, comma-separated (e.g. 1,1.1,1.25)")
+    return tuple(sorted(steps))
 
 
 def head(args, target: float, cap: float, rate: float, curve: list) -> str:
