@@ -391,3 +391,46 @@ def test_serve_refuses_bad_targets_naming_the_flag(tmp_path, monkeypatch, capsys
 
 
 # --- real SGLang on CPU ------------------------------------------------------------------------
+
+
+def test_a_new_level_is_handed_on_with_the_requests_and_stamps_the_waiting_queue_that_never_ran(monkeypatch):
+    """integrations/sglang/elastic.py's hooks on fakes: the deciding rank hands a level on (once per change)
+    through the broadcast's local requests; every rank takes it out of the received requests, a follower
+    follows it, and at the next prefill scheduling the waiting requests that never ran are stamped with it
+    (an earlier stamp replaced, the client's own extra_key kept); a retracted request keeps its level."""
+    from types import SimpleNamespace
+
+    import vskipper.integrations.sglang.elastic as el
+
+    ran = SimpleNamespace(extra_key="vskipper:level=0")
+    budgets = SimpleNamespace(fixed=lambda req: req is ran)
+
+    def make(leader_level=0):
+        e = el.Elastic(Controller(Target(100.0), ladder(L), None, 0.0), budgets)
+        e.controller.level = leader_level
+        return e
+
+    leader = make()
+    monkeypatch.setattr(el, "_ELASTIC", leader)
+    assert el.stamp("receiver", [], None) is None, "no new level: nothing handed on"
+    leader.controller.level = 3
+    (args, kwargs) = el.stamp("receiver", [], ["abort"])
+    assert args[:2] == ("receiver", []) and args[2] == ["abort", el.Handed(3)] and not kwargs
+    assert el.stamp("receiver", [], None) is None, "handed on once per change"
+    assert el.received(["abort", el.Handed(3)], "receiver") == ["abort"]
+    assert leader.handed == 3 and leader.controller.level == 3
+    fresh, mine = SimpleNamespace(extra_key=None), SimpleNamespace(extra_key="client|vskipper:level=0")
+    el.admit(SimpleNamespace(waiting_queue=[fresh, mine, ran]), None)
+    assert (fresh.extra_key, mine.extra_key, ran.extra_key) == ("vskipper:level=3", "client|vskipper:level=3",
+                                                                 "vskipper:level=0")
+    assert el.level_of(mine.extra_key) == 3
+    later = SimpleNamespace(extra_key="vskipper:level=1")
+    el.admit(SimpleNamespace(waiting_queue=[later]), None)
+    assert later.extra_key == "vskipper:level=1", "restamped once per level handed on, not every pass"
+    assert el.received([], "receiver") is None and el.received(["x"], "receiver") is None
+
+    follower = make()
+    monkeypatch.setattr(el, "_ELASTIC", follower)
+    assert el.stamp("receiver", None, None) is None and not follower.leader
+    assert el.received([el.Handed(4)], "receiver") == [] and follower.controller.level == 4
+    assert "the level of the rank that receives the requests" in follower.controller.reason

@@ -76,9 +76,10 @@ def test_pipeline_parallel_is_refused_naming_the_flag(monkeypatch):
 
 
 def test_tensor_parallel_2_elastic_depth_every_rank_applies_the_same_level(tmp_path, capfd):
-    """Elastic depth under a target no step meets: rank 0 raises the level under a queue and stamps the
-    requests it receives; rank 1 gets them through SGLang's broadcast and routes alike (equal digests),
-    and a request admitted at the top level gets the skipper alone."""
+    """Elastic depth under a target no step meets: rank 0 raises the level under a queue, stamps the
+    requests it receives and hands the level on; rank 1 gets both through SGLang's broadcast, stamps the
+    waiting queue alike and routes alike (equal digests); a request admitted at the top level, and the
+    queue's last one (it arrived at level 0), get the skipper alone."""
     import asyncio
 
     import torch
@@ -106,12 +107,14 @@ def test_tensor_parallel_2_elastic_depth_every_rank_applies_the_same_level(tmp_p
                 if "elastic depth level 0 -> 4" in log:
                     break
             out = (await eng.async_generate(input_ids=probe.tolist(), sampling_params=sp(8)))["output_ids"]
-            await load
-            return log, out
+            return log, out, await load
 
-        log, out = eng.loop.run_until_complete(under_load())
+        log, out, waited = eng.loop.run_until_complete(under_load())
     assert "elastic depth level 0 -> 4" in log, log[-3000:]
     assert out == reference_generate(base, sk, probe, 8)[0][len(probe):].tolist(), "top level: the skipper alone"
+    last = torch.tensor(wave[-1])
+    alone, full = (reference_generate(base, sk, last, 24, budget=b)[0][len(last):].tolist() for b in (None, 0))
+    assert waited[-1]["output_ids"] == alone != full, "queued at level 0, admitted at the top: the skipper alone"
     d = digests(tmp_path / "routes")
     assert set(d) == {"tp0", "tp1"} and d["tp0"] and d["tp0"] == d["tp1"], "ranks applied different levels"
 

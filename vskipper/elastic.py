@@ -253,7 +253,7 @@ class Saving:
 
 
 class Controller:
-    """The rule above. `admit()` is the level for a request arriving now; the scheduler calls
+    """The rule above. `admit()` is the level a request leaving the queue now is admitted at; the scheduler calls
     `decode_step`, `prefill`, `first_token`, `idle` and `tick` as things happen (times in seconds)."""
 
     def __init__(self, target: Target, budgets: tuple[int, ...], model: StepModel | None, now: float) -> None:

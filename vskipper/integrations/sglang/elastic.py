@@ -2,24 +2,32 @@
 set; one controller per scheduler process, made when the model loads.
 
 Where it meets SGLang (hooks, no SGLang file patched):
-    SchedulerRequestReceiver._broadcast_reqs_across_ranks  BEFORE: on the rank that received the requests (rank 0
+    SchedulerRequestReceiver._broadcast_reqs_across_ranks  BEFORE: on the rank that receives the requests (rank 0
         of a tensor-parallel group, each data-parallel replica's own), each new request's extra_key gets
-        `vskipper:level=j`, the level it is admitted at. The requests then travel to the other ranks in
-        SGLang's own broadcast on the CPU group, so every rank applies the same level and no collective
-        is added; under data parallelism each replica stamps its own. The extra_key is also the radix
-        cache's namespace: a request never reads K/V computed at another level.
-    Scheduler._create_generation_req  AFTER: the request's arrival time (for TTFT); on the other ranks
-        the level it carries is the current level (reported, never decided there).
+        `vskipper:level=j`, the level now; when that level is not the one last handed on, a `Handed` marker
+        joins the broadcast's local requests (the work channel: under attention DP it stays within its
+        group). The requests and the marker travel to the other ranks in SGLang's own broadcast on the CPU
+        group, so every rank knows the same level at the same scheduler pass and no collective is added.
+        AFTER (every rank): the marker is taken out of the received requests and its level kept as the
+        level handed on; a rank that does not decide follows it (reported, never decided there).
+    Scheduler.get_new_batch_prefill  BEFORE (every rank): after a new level was handed on, the requests
+        still in the waiting queue that never ran are stamped with it, so a request's level is the one
+        when it leaves the queue, not when it arrived: under a backlog the queue takes a rise at once.
+        Every rank restamps the same queue at the same pass; a retracted request (it ran) keeps its level.
+    Scheduler._create_generation_req  AFTER: the request's arrival time (for TTFT).
     Scheduler.process_batch_result    AFTER: a decode step's time, its rows' budgets and context tokens (and
         whether a prefill ran since the last one); first tokens; the control tick.
     Scheduler.on_idle                 AFTER: no batch ran (the next step time starts afresh; idle -> level 0).
-A request's budget is the stricter of its field's and its level's (requests.BatchBudgets.budget), and
-reaches the routed layers through the per-row budget buffer: nothing new inside captured graphs."""
+The extra_key is also the radix cache's namespace: a request never reads K/V computed at another level.
+A request's budget is the stricter of its field's and its level's (requests.BatchBudgets.budget), read
+once, when it first runs, and reaches the routed layers through the per-row budget buffer: nothing new
+inside captured graphs."""
 from __future__ import annotations
 
 import logging
 import time
 import weakref
+from dataclasses import dataclass
 
 from vskipper import cost
 from vskipper.elastic import LADDER, Controller, StepModel, ladder
@@ -28,6 +36,7 @@ logger = logging.getLogger("vskipper")
 
 RECEIVE = ("sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"
            "._broadcast_reqs_across_ranks")
+ADMIT = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 NEW_REQ = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
 BATCH_DONE = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
@@ -39,8 +48,17 @@ class Elastic:
 
     def __init__(self, controller: Controller, budgets) -> None:
         self.controller, self.budgets = controller, budgets
-        self.leader = True  # this rank receives the requests and decides (False: it follows the stamps)
+        self.leader = True  # this rank receives the requests and decides (False: it follows the level handed on)
         self.arrivals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> arrival time
+        self.sent = 0  # the level the deciding rank last handed on (there only)
+        self.handed = 0  # the level last handed on, on every rank: waiting requests are admitted at it
+        self.restamp = False  # a level was handed on since the waiting queue was last stamped
+
+
+@dataclass(frozen=True)
+class Handed:
+    """Rides SGLang's request broadcast from the deciding rank to the others: the level from now on."""
+    level: int
 
 
 _ELASTIC: Elastic | None = None
@@ -48,6 +66,14 @@ _ELASTIC: Elastic | None = None
 
 def current() -> Elastic | None:
     return _ELASTIC
+
+
+def with_level(extra_key: str | None, level: int) -> str:
+    """`extra_key` stamped with `level` (replacing an earlier stamp of ours, which is always the last)."""
+    ns = f"{KEY}{level}"
+    if extra_key and KEY in extra_key:
+        return extra_key.rsplit(KEY, 1)[0] + ns
+    return f"{extra_key}|{ns}" if extra_key else ns
 
 
 def level_of(extra_key: str | None) -> int | None:
@@ -85,6 +111,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(RECEIVE, stamp, HookType.BEFORE)
+    HookRegistry.register(RECEIVE, received, HookType.AFTER)
+    HookRegistry.register(ADMIT, admit, HookType.BEFORE)
     HookRegistry.register(NEW_REQ, on_new_request, HookType.AFTER)
     HookRegistry.register(BATCH_DONE, after_batch, HookType.AFTER)
     HookRegistry.register(IDLE, after_idle, HookType.AFTER)
@@ -100,26 +128,47 @@ def _generate_reqs(recv_reqs):
             yield from r.batch
 
 
-def stamp(receiver, recv_reqs, *args, **kwargs):
+def stamp(receiver, recv_reqs, local_reqs=None, *args, **kwargs):
     e = _ELASTIC
     if e is None:
         return None
     e.leader = recv_reqs is not None
-    if recv_reqs:
-        ns = f"{KEY}{e.controller.admit()}"
-        for r in _generate_reqs(recv_reqs):
-            r.extra_key = f"{r.extra_key}|{ns}" if r.extra_key else ns
+    if not e.leader:
+        return None
+    level = e.controller.admit()
+    for r in _generate_reqs(recv_reqs):
+        r.extra_key = with_level(r.extra_key, level)
+    if level == e.sent:
+        return None
+    e.sent = level
+    return (receiver, recv_reqs, [*(local_reqs or []), Handed(level)], *args), kwargs
+
+
+def received(result, receiver, *args, **kwargs):
+    e = _ELASTIC
+    if e is None or not result or not any(isinstance(r, Handed) for r in result):
+        return None
+    e.handed = [r for r in result if isinstance(r, Handed)][-1].level
+    e.restamp = True
+    if not e.leader:
+        e.controller.follow(e.handed, time.monotonic())
+    return [r for r in result if not isinstance(r, Handed)]
+
+
+def admit(scheduler, *args, **kwargs):
+    e = _ELASTIC
+    if e is not None and e.restamp:
+        for req in scheduler.waiting_queue:
+            if not e.budgets.fixed(req):  # a retracted request ran: it keeps its level
+                req.extra_key = with_level(req.extra_key, e.handed)
+        e.restamp = False
     return None
 
 
 def on_new_request(req, scheduler, *args, **kwargs):
     e = _ELASTIC
     if e is not None:
-        now = time.monotonic()
-        e.arrivals[req] = now
-        level = level_of(req.extra_key)
-        if not e.leader and level is not None:
-            e.controller.follow(level, now)
+        e.arrivals[req] = time.monotonic()
     return req
 
 

@@ -110,6 +110,10 @@ class BatchBudgets:
             self._budgets[req] = b
         return b
 
+    def fixed(self, req) -> bool:
+        """Whether `req`'s budget was read (it ran): from then on its level and budget do not change."""
+        return req in self._budgets
+
     def fill(self, forward_batch, batch) -> None:
         """Write the budgets of this batch's rows: request i's over its extend_lens[i] rows at prefill
         (EXTEND, MIXED), one row per request at decode; every other batch (no request can set a budget
