@@ -390,9 +390,6 @@ def test_serve_refuses_bad_targets_naming_the_flag(tmp_path, monkeypatch, capsys
     assert re.search(message, capsys.readouterr().err)
 
 
-# --- real SGLang on CPU ------------------------------------------------------------------------
-
-
 def test_a_new_level_is_handed_on_with_the_requests_and_stamps_the_waiting_queue_that_never_ran(monkeypatch):
     """integrations/sglang/elastic.py's hooks on fakes: the deciding rank hands a level on (once per change)
     through the broadcast's local requests; every rank takes it out of the received requests, a follower
@@ -405,10 +402,8 @@ def test_a_new_level_is_handed_on_with_the_requests_and_stamps_the_waiting_queue
     ran = SimpleNamespace(extra_key="vskipper:level=0")
     budgets = SimpleNamespace(fixed=lambda req: req is ran)
 
-    def make(leader_level=0):
-        e = el.Elastic(Controller(Target(100.0), ladder(L), None, 0.0), budgets)
-        e.controller.level = leader_level
-        return e
+    def make():
+        return el.Elastic(Controller(Target(100.0), ladder(L), None, 0.0), budgets)
 
     leader = make()
     monkeypatch.setattr(el, "_ELASTIC", leader)

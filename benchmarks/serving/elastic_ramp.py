@@ -12,10 +12,9 @@
    (A knee placed nearer capacity puts R so close to it that the skipper at fixed depth, the most any
    level gives, can itself miss the target from 1.1x R, and the ramp cannot show a target held past R;
    on a noisy machine a run can still land there: its page says what fixed depth reached.) `MARGIN` sets
-   how far above the knee: upstream's p90 climbs so steeply there that a looser target moves R little
-   (from 0.8 to 0.9x capacity one search's p90 went from about 200 to 300 ms), while fixed depth, whose
-   steps are only 15-20% shorter for RandomSkip 0.5 over half the layers, gets room under it from R up
-   (at 1.1 it met the target by 0-1% at 1.1x R in two runs).
+   how far above the knee: upstream's p90 climbs so steeply there that a looser target moves R little,
+   while fixed depth, whose steps are only 15-20% shorter for RandomSkip 0.5 over half the layers, gets
+   room under it from R up.
    (Below the knee a CPU server's p90 TPOT hardly moves with load, so a target set there was met at
    every step of the ramp.)
 2. Servers side by side (one CPU thread each, --sleep-on-idle, /metrics on): upstream; vskipper held
