@@ -419,6 +419,7 @@ def test_a_new_level_is_handed_on_with_the_requests_and_stamps_the_waiting_queue
     assert (fresh.extra_key, mine.extra_key, ran.extra_key) == ("vskipper:level=3", "client|vskipper:level=3",
                                                                  "vskipper:level=0")
     assert el.level_of(mine.extra_key) == 3
+    assert el.with_level("a|vskipper:level=0|elastic_ep_size=4", 2) == "a|vskipper:level=2|elastic_ep_size=4"
     later = SimpleNamespace(extra_key="vskipper:level=1")
     el.admit(SimpleNamespace(waiting_queue=[later]), None)
     assert later.extra_key == "vskipper:level=1", "restamped once per level handed on, not every pass"

@@ -69,10 +69,13 @@ def current() -> Elastic | None:
 
 
 def with_level(extra_key: str | None, level: int) -> str:
-    """`extra_key` stamped with `level` (replacing an earlier stamp of ours, which is always the last)."""
+    """`extra_key` stamped with `level`: an earlier stamp of ours replaced in place (what SGLang appended
+    after it, such as its elastic-EP namespace, kept), else appended."""
     ns = f"{KEY}{level}"
     if extra_key and KEY in extra_key:
-        return extra_key.rsplit(KEY, 1)[0] + ns
+        head, tail = extra_key.rsplit(KEY, 1)
+        rest = tail.split("|", 1)
+        return head + ns + (f"|{rest[1]}" if len(rest) > 1 else "")
     return f"{extra_key}|{ns}" if extra_key else ns
 
 
