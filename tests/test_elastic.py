@@ -16,7 +16,9 @@ from vskipper.elastic import (
     HISTORY,
     LADDER,
     LEARN,
+    RISE,
     STREAM,
+    SURGE,
     Controller,
     Saving,
     StepModel,
@@ -67,7 +69,12 @@ def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
     now = run_steps(c, 0.0, DWELL - 1, 10.2)
     assert not c.tick(now + 1, [0] * 8, 8) and c.reason == "measuring"  # too few steps of this busy spell
     now = run_steps(c, now + 1, 2, 10.2)
-    assert c.tick(now + 1, [0] * 8, 8)
+    assert not c.tick(now + 1, [0] * 8, 8) and c.level == 0, c.reason
+    assert f"over target 10 ms for 0 of the {RISE} steps a rise waits for" in c.reason, c.reason
+    now = run_steps(c, now + 1, RISE - 1, 10.2)
+    assert not c.tick(now + 1, [0] * 8, 8) and f"for {RISE - 1} of the {RISE} steps" in c.reason, c.reason
+    now = run_steps(c, now + 1, 1, 10.2)
+    assert c.tick(now + 1, [0] * 8, 8) and f"over it for {RISE} steps" in c.reason, c.reason
     want = next(j for j, k in enumerate(ladder(L)) if 10.2 * m([k] * 8) / m([0] * 8) <= DOWN * 10.0)
     assert 1 < c.level == want < L and "over target" in c.reason, c.reason  # the lowest predicted in the band
     # the new level's steps just under the target: inside the hysteresis band, it holds
@@ -122,6 +129,36 @@ def test_a_lull_between_bursts_does_not_step_down_a_load_that_went_does():
     now = run_steps(c, now + 1, FALL - HISTORY, truth([L]), [L])
     assert c.tick(now + 1, [L], 0) and c.level == L - 1, c.reason
     assert f"over the last {FALL} steps, within {DOWN:g} x target" in c.reason, c.reason
+
+
+def test_a_burst_over_the_target_does_not_raise_the_level_a_lasting_miss_or_a_surge_does():
+    """est_c over HISTORY steps is nearly their worst stream: a burst of HISTORY steps over the target (or
+    a busy spell's hot first seconds) leaves the level at 0, the count starting again once the estimate
+    is back under the target; a miss at every tick for RISE steps raises it; one over SURGE x the
+    target raises it at the first decision."""
+    def ticking(c, now, n, ms):
+        changed = []
+        for _ in range(n // DWELL):
+            now = run_steps(c, now + 1, DWELL, ms)
+            changed.append(c.reason if c.tick(now + 1, [0] * 8, 0) else None)
+        return now, changed
+
+    c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), step_model(), now=0.0)
+    now, changed = ticking(c, 0.0, 2 * HISTORY, 8.0)
+    assert not any(changed) and c.reason.startswith("holding ("), c.reason
+    now, changed = ticking(c, now, HISTORY, 11.0)
+    assert not any(changed) and c.level == 0 and "steps a rise waits for" in c.reason, c.reason
+    now, changed = ticking(c, now, 2 * HISTORY, 8.0)
+    assert not any(changed) and c.over_at is None and c.reason.startswith("holding ("), c.reason
+    now, changed = ticking(c, now, RISE + 3 * DWELL, 11.0)
+    rises = [(i, why) for i, why in enumerate(changed) if why]
+    assert len(rises) == 1 and c.level > 0, changed
+    (i, why), = rises
+    assert RISE <= DWELL * (i + 1) < RISE + 3 * DWELL and "at level 0 over target 10 ms" in why, why
+    assert int(re.search(r"over it for (\d+) steps", why)[1]) >= RISE, why
+    c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), step_model(), now=0.0)
+    now = run_steps(c, 0.0, DWELL, 1.05 * SURGE * 10.0)
+    assert c.tick(now + 1, [0] * 8, 0) and c.level > 0 and f"over {SURGE:g} x target" in c.reason, c.reason
 
 
 def test_over_the_target_the_top_runs_even_where_its_steps_look_no_faster():
@@ -195,6 +232,8 @@ def test_rule_prices_the_batches_the_steps_ran_not_the_running_count_of_the_mome
     now = run_steps(c, 0.0, HISTORY, 8.0, [0] * 4)
     assert not c.tick(now + 1, [0] * 40, 30) and c.level == 0 and "holding" in c.reason, c.reason
     now = run_steps(c, now + 1, HISTORY, 10.2, [0] * 12)
+    assert not c.tick(now + 1, [0] * 2, 0) and c.level == 0, c.reason  # a miss must last RISE steps
+    now = run_steps(c, now + 1, RISE, 10.2, [0] * 12)
     assert c.tick(now + 1, [0] * 2, 0)
     est = c.estimates()  # each 12-row step less the calibration's price of skipping (its prior, one depth ran)
     assert est[0] == pytest.approx(10.2) and est == sorted(est, reverse=True)
@@ -307,12 +346,14 @@ def test_rule_learns_what_skipping_saves_where_the_calibration_prices_it_at_noth
     the hysteresis band (8 rows: level 2 at 8 ms under 0.85 x 10 ms; level 1 at 10 ms is not)."""
     c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), flat_model(), now=0.0)
     now = run_steps(c, 0.0, DWELL, truth([0] * 8))
+    assert not c.tick(now + 1, [0] * 8, 8) and c.level == 0, c.reason
+    now = run_steps(c, now + 1, RISE, truth([0] * 8))
     assert c.tick(now + 1, [0] * 8, 8) and c.level == L, c.reason
     assert "no level predicted within 0.85 x target: the top" in c.reason, c.reason
     assert "calibration's prior" in c.reason and "predicted per level 0:12 1:12" in c.reason, c.reason
     c.prefill()  # a prefill's gap counts for TPOT, not for what skipping saves
     c.decode_step(now + 0.05, [0] * 8)
-    assert c.steps[-1][0] == pytest.approx(50.0) and len(c.saving.steps) == DWELL
+    assert c.steps[-1][0] == pytest.approx(50.0) and len(c.saving.steps) == DWELL + RISE
     now += 0.05
     for i in range(HISTORY):  # requests admitted at the top replace those at level 0
         b = [L] * min(8, i // 4) + [0] * (8 - min(8, i // 4))

@@ -27,7 +27,8 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring); at level 0 the
           DWELL steps count once the batch has drained of rows admitted higher (at most DRAIN steps):
           until then the steps show neither level 0 nor what the routed path costs
-    over: est_c > tpot -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
+    over: est_c > tpot at every tick for the last RISE steps, or est_c > SURGE * tpot
+          -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving). Over the
           target there is no verdict that skipping "saves nothing": the saving fitted in service mixes
@@ -41,10 +42,13 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           target the batch swings between 4 and 32 rows on a stream's time scale, and a rule that read the
           last HISTORY steps fell a level in each lull of Poisson arrivals, the next burst admitted lower)
     else keep.
-Up fast, down slowly: a server over its target misses it for every stream it admits meanwhile, one
+Up faster than down: a server over its target misses it for every stream it admits meanwhile, one
 running under it only skips more than it needs until its next step down (after FALL steps at the level).
-The first decision of a busy spell comes after DWELL steps (a few seconds), its estimate the mean of the
-steps so far.
+But up only on a miss that lasts: est_c over HISTORY steps is nearly their worst stream, so a burst of a
+few seconds, or a busy spell's first seconds, puts it over the target at loads where the p90 over every
+stream of a minute meets it; the miss must hold for RISE steps (several streams' lengths) at every tick,
+unless it is SURGE times the target. The first decision of a busy spell comes after DWELL steps (a few
+seconds), its estimate the mean of the steps so far.
 Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
 request's prefill is several times a decode step, and the running count moves with every arrival, so a
 rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
@@ -71,6 +75,8 @@ DWELL = 16  # decode steps at a new level (or of a new busy spell) before the ru
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
 DRAIN = 4 * STREAM  # at level 0, decode steps the rule waits at most for DWELL steps of a drained batch
 HISTORY = 2 * STREAM  # decode steps a rise is judged over
+RISE = 4 * STREAM  # decode steps the streams must have missed the target for, in a row, before a rise
+SURGE = 1.5  # ... unless they miss it by this factor: then at once
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
 FALL = 4 * HISTORY  # decode steps kept, a fall is judged over: it waits until they all ran at the level
@@ -264,6 +270,8 @@ class Controller:
         self.steps: deque[tuple[float, int, int]] = deque(maxlen=FALL)  # (ms, T, B) of each step
         self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed (at level 0: since the batch drained of skipping rows)
+        self.count = 0  # decode steps timed
+        self.over_at: int | None = None  # self.count when the ticks began to see est_c over the target
         self.drain = 0  # decode steps since the level changed
         self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
         self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
@@ -282,6 +290,7 @@ class Controller:
         if self.last_step is not None:
             ms = (now - self.last_step) * 1e3
             self.steps.append((ms, len(budgets), sum(budgets)))
+            self.count += 1
             if not (prefill or self.prefilled):
                 self.saving.add(ms, budgets, context)
             # at level 0, steps whose batch still holds rows admitted higher do not show level 0
@@ -307,6 +316,7 @@ class Controller:
         self.seconds[self.level] += now - self.since
         self.level, self.since = level, now
         self.fresh = self.drain = 0
+        self.over_at = None
         self.ttfts.clear()
         return True
 
@@ -344,6 +354,7 @@ class Controller:
                 self.last_seen = self.observed()
                 self.steps.clear()
                 self.saving.new_episode()
+            self.over_at = None
             return self._set(0, "idle", now)
         if now - self.last_tick < self.target.period_s:
             return False
@@ -360,9 +371,18 @@ class Controller:
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
                 + self.describe_saving())
         if est[c] > t.tpot_ms:
-            fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
-            j, why = (fits[0], "") if fits else (self.top, f", no level predicted within {DOWN:g} x target: the top")
-            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} ({load})", now)
+            if self.over_at is None:
+                self.over_at = self.count
+            missed = self.count - self.over_at
+            if missed >= RISE or est[c] > SURGE * t.tpot_ms:
+                fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
+                j, why = ((fits[0], "") if fits else
+                          (self.top, f", no level predicted within {DOWN:g} x target: the top"))
+                how = f"over it for {missed} steps" if missed >= RISE else f"over {SURGE:g} x target"
+                return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} "
+                                    f"({how}; {load})", now)
+        else:
+            self.over_at = None
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
@@ -376,6 +396,9 @@ class Controller:
                                     f"target ({load})", now)
             return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, {long:.1f} ms over the last "
                                     f"{FALL} steps, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
+        if self.over_at is not None:
+            return self._set(c, f"holding: TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms for "
+                                f"{self.count - self.over_at} of the {RISE} steps a rise waits for ({load})", now)
         return self._set(c, f"holding ({load})", now)
 
     def describe_saving(self) -> str:
