@@ -27,7 +27,8 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring); at level 0 the
           DWELL steps count once the batch has drained of rows admitted higher (at most DRAIN steps):
           until then the steps show neither level 0 nor what the routed path costs
-    over: est_c > tpot at every tick for the last RISE steps, or est_c > SURGE * tpot
+    over: est_c > tpot now and at SHARE of the ticks of the last RISE steps (RISE steps judged at c), or
+          est_c > SURGE * tpot
           -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving). Over the
@@ -46,9 +47,11 @@ Up faster than down: a server over its target misses it for every stream it admi
 running under it only skips more than it needs until its next step down (after FALL steps at the level).
 But up only on a miss that lasts: est_c over HISTORY steps is nearly their worst stream, so a burst of a
 few seconds, or a busy spell's first seconds, puts it over the target at loads where the p90 over every
-stream of a minute meets it; the miss must hold for RISE steps (several streams' lengths) at every tick,
-unless it is SURGE times the target. The first decision of a busy spell comes after DWELL steps (a few
-seconds), its estimate the mean of the steps so far.
+stream of a minute meets it; the miss must hold for RISE steps (several streams' lengths) at SHARE of
+the ticks, unless it is SURGE times the target. A share, not every tick: near the knee the estimate dips
+under the target for a tick now and then while the streams keep missing it, and a rule that restarted
+its count at each dip held level 0 through a whole step whose p90 missed the target. The first decision of
+a busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
 Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
 request's prefill is several times a decode step, and the running count moves with every arrival, so a
 rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
@@ -75,7 +78,8 @@ DWELL = 16  # decode steps at a new level (or of a new busy spell) before the ru
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
 DRAIN = 4 * STREAM  # at level 0, decode steps the rule waits at most for DWELL steps of a drained batch
 HISTORY = 2 * STREAM  # decode steps a rise is judged over
-RISE = 4 * STREAM  # decode steps the streams must have missed the target for, in a row, before a rise
+RISE = 4 * STREAM  # decode steps the streams must have missed the target over before a rise ...
+SHARE = 0.75  # ... at this share of the ticks among them
 SURGE = 1.5  # ... unless they miss it by this factor: then at once
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
@@ -271,7 +275,8 @@ class Controller:
         self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed (at level 0: since the batch drained of skipping rows)
         self.count = 0  # decode steps timed
-        self.over_at: int | None = None  # self.count when the ticks began to see est_c over the target
+        self.ticks: deque[tuple[int, bool]] = deque()  # (self.count, est_c over target) of the last RISE steps' ticks
+        self.judged: int | None = None  # self.count at the first tick that judged the level (of this busy spell)
         self.drain = 0  # decode steps since the level changed
         self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
         self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
@@ -316,7 +321,8 @@ class Controller:
         self.seconds[self.level] += now - self.since
         self.level, self.since = level, now
         self.fresh = self.drain = 0
-        self.over_at = None
+        self.ticks.clear()
+        self.judged = None
         self.ttfts.clear()
         return True
 
@@ -354,7 +360,8 @@ class Controller:
                 self.last_seen = self.observed()
                 self.steps.clear()
                 self.saving.new_episode()
-            self.over_at = None
+            self.ticks.clear()
+            self.judged = None
             return self._set(0, "idle", now)
         if now - self.last_tick < self.target.period_s:
             return False
@@ -370,19 +377,18 @@ class Controller:
         load = (f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued; predicted per level "
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
                 + self.describe_saving())
-        if est[c] > t.tpot_ms:
-            if self.over_at is None:
-                self.over_at = self.count
-            missed = self.count - self.over_at
-            if missed >= RISE or est[c] > SURGE * t.tpot_ms:
+        over = est[c] > t.tpot_ms
+        over_ticks, ticks, span = self._judge(over)
+        missed = f"over it at {over_ticks} of {ticks} ticks in {span} steps"
+        if over:
+            lasting = span >= RISE and over_ticks >= SHARE * ticks
+            if lasting or est[c] > SURGE * t.tpot_ms:
                 fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
                 j, why = ((fits[0], "") if fits else
                           (self.top, f", no level predicted within {DOWN:g} x target: the top"))
-                how = f"over it for {missed} steps" if missed >= RISE else f"over {SURGE:g} x target"
+                how = missed if lasting else f"over {SURGE:g} x target"
                 return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} "
                                     f"({how}; {load})", now)
-        else:
-            self.over_at = None
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
@@ -396,10 +402,20 @@ class Controller:
                                     f"target ({load})", now)
             return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, {long:.1f} ms over the last "
                                     f"{FALL} steps, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
-        if self.over_at is not None:
-            return self._set(c, f"holding: TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms for "
-                                f"{self.count - self.over_at} of the {RISE} steps a rise waits for ({load})", now)
+        if over:
+            return self._set(c, f"holding: TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms, {missed}; "
+                                f"a rise waits for {SHARE:.0%} of the ticks in {RISE} steps ({load})", now)
         return self._set(c, f"holding ({load})", now)
+
+    def _judge(self, over: bool) -> tuple[int, int, int]:
+        """Record this tick's verdict; returns (ticks over the target, ticks, steps) over the last RISE steps
+        judged at this level."""
+        if self.judged is None:
+            self.judged = self.count
+        self.ticks.append((self.count, over))
+        while self.ticks[0][0] < self.count - RISE:
+            self.ticks.popleft()
+        return sum(o for _, o in self.ticks), len(self.ticks), min(self.count - self.judged, RISE)
 
     def describe_saving(self) -> str:
         sv = self.saving
