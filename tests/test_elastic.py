@@ -134,8 +134,8 @@ def test_a_lull_between_bursts_does_not_step_down_a_load_that_went_does():
 
 def test_a_burst_over_the_target_does_not_raise_the_level_a_lasting_miss_or_a_surge_does():
     """est_c over HISTORY steps is nearly their worst stream: a burst of HISTORY steps over the target (or
-    a busy spell's hot first seconds) leaves the level at 0, its ticks too few of the last RISE steps'
-    (and then gone from them); a miss at SHARE of the ticks for RISE steps raises it; one over SURGE x
+    a busy spell's hot first seconds) leaves the level at 0, its ticks too few among those of the last
+    RISE steps (and then gone from them); a miss at SHARE of the ticks for RISE steps raises it; one over SURGE x
     the target raises it at the first decision."""
     def ticking(c, now, n, ms):
         changed = []
