@@ -8,7 +8,7 @@ layers as the request's budget, through the same per-row budget buffer as the re
 
 The rule, once per control period (`Target.period_s`), from what the scheduler knows:
     step   = the time between two decode steps: what a running stream sees between two tokens (a
-             prefill run between them included); the last FALL steps are kept, at whatever level
+             prefill run between them included); the last HISTORY steps are kept, at whatever level
     s, d   = what one row saves per routed layer of budget, and what a step pays for running the routed
              path at all, in ms, on this server (Saving): fitted to the measured prefill-free steps
              (step = a + b T + c C - s B + d D: T rows, B the sum of their budgets, C their context
@@ -27,8 +27,10 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring); at level 0 the
           DWELL steps count once the batch has drained of rows admitted higher (at most DRAIN steps):
           until then the steps show neither level 0 nor what the routed path costs
-    over: est_c > tpot now and at SHARE of the ticks of the last RISE steps (RISE steps judged at c), or
-          est_c > SURGE * tpot
+    debt   = the miss the streams have run up at level c: each tick adds the decode steps since the last
+             tick times est_c / tpot - 1 (a tick under the target pays back), never below 0; in steps' worth
+             of the target (a miss by 10% for 80 steps, by 20% for 40, runs up 8)
+    over: est_c > tpot now and debt >= DEBT, or est_c > SURGE * tpot
           -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving). Over the
@@ -37,21 +39,23 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           and such verdicts sent RandomSkip 0.5 to level 0 under loads where its top ran faster; a
           skipper that saves nothing costs its quality only while the target is missed anyway
     over: p90 TTFT > ttft -> c + 1
-    under: est_{c-1} <= DOWN * tpot (and p90 TTFT <= DOWN * ttft) -> c - 1 once FALL steps ran at c and
-          est_{c-1} over all FALL of them is within DOWN * tpot too (the gap between 1 and DOWN is the
-          hysteresis; one level at a time; a fall judged over several bursts and lulls: at a load near the
-          target the batch swings between 4 and 32 rows on a stream's time scale, and a rule that read the
-          last HISTORY steps fell a level in each lull of Poisson arrivals, the next burst admitted lower)
+    under: the lowest level j below c with est_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft), est_j judged
+          over the last STREAM steps, once that many ran at c (the streams of the moment) -> j (the gap between
+          1 and DOWN is the hysteresis; straight to the level that fits, not one at a time)
     else keep.
-Up faster than down: a server over its target misses it for every stream it admits meanwhile, one
-running under it only skips more than it needs until its next step down (after FALL steps at the level).
-But up only on a miss that lasts: est_c over HISTORY steps is nearly their worst stream, so a burst of a
-few seconds, or a busy spell's first seconds, puts it over the target at loads where the p90 over every
-stream of a minute meets it; the miss must hold for RISE steps (several streams' lengths) at SHARE of
-the ticks, unless it is SURGE times the target. A share, not every tick: near the knee the estimate dips
-under the target for a tick now and then while the streams keep missing it, and a rule that restarted
-its count at each dip held level 0 through a whole step whose p90 missed the target. The first decision of
-a busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
+Up on the miss the streams have run up, down as soon as a stream's length of steps says a lower level fits.
+Near the knee the estimate runs over the target in bursts of 20-25 s (arrivals, or a busy neighbour on the
+machine) that decide a minute's p90 TPOT, while over HISTORY steps it is nearly their worst stream, so a
+busy spell's first seconds, or a burst of a few seconds, put it over at loads where the p90 over every
+stream meets the target. A level reaches only the requests admitted after it is set, and those reach the
+batch over a stream's lifetime, so a rise must come within seconds of a burst that matters and leave as
+soon as it is over, and a short or slight miss must not raise it: the debt weighs a miss by how far over
+and how long (a wait for a fixed share of a fixed span, 128 steps, came after the bursts that set a step's
+p90, and the rule before it, a rise on the first miss and a fall only after 256 steps at the level, skipped
+44% of routed-layer work where upstream met the target). Falls go straight to the level that fits, judged
+over the steps of the level alone: a lull between bursts may take it down, and the next burst runs up
+its debt again. A miss over SURGE times the target rises at the first decision. The first decision of a
+busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
 Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
 request's prefill is several times a decode step, and the running count moves with every arrival, so a
 rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
@@ -77,13 +81,11 @@ LADDER = (0.0, 0.25, 0.5, 0.75, 1.0)  # max_skip of each level
 DWELL = 16  # decode steps at a new level (or of a new busy spell) before the rule decides (again)
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
 DRAIN = 4 * STREAM  # at level 0, decode steps the rule waits at most for DWELL steps of a drained batch
-HISTORY = 2 * STREAM  # decode steps a rise is judged over
-RISE = 4 * STREAM  # decode steps the streams must have missed the target over before a rise ...
-SHARE = 0.75  # ... at this share of the ticks among them
+HISTORY = 2 * STREAM  # decode steps kept: est_j is judged over them
+DEBT = 8.0  # steps' worth of the target the streams must have missed it by at a level before a rise ...
 SURGE = 1.5  # ... unless they miss it by this factor: then at once
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
-FALL = 4 * HISTORY  # decode steps kept, a fall is judged over: it waits until they all ran at the level
 LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across idle)
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
@@ -271,12 +273,12 @@ class Controller:
         self.top = len(budgets) - 1
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
-        self.steps: deque[tuple[float, int, int]] = deque(maxlen=FALL)  # (ms, T, B) of each step
+        self.steps: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B) of each step
         self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed (at level 0: since the batch drained of skipping rows)
         self.count = 0  # decode steps timed
-        self.ticks: deque[tuple[int, bool]] = deque()  # (self.count, est_c over target) of the last RISE steps' ticks
-        self.judged: int | None = None  # self.count at the first tick that judged the level (of this busy spell)
+        self.debt = 0.0  # the miss run up at this level (of this busy spell), in steps' worth of the target
+        self.judged: int | None = None  # self.count at the last tick that judged the level (of this busy spell)
         self.drain = 0  # decode steps since the level changed
         self.last_seen: float | None = None  # stream p90 TPOT of the steps last dropped at idle
         self.ttfts: deque[float] = deque(maxlen=WINDOW)  # ms, since the level last changed
@@ -321,8 +323,7 @@ class Controller:
         self.seconds[self.level] += now - self.since
         self.level, self.since = level, now
         self.fresh = self.drain = 0
-        self.ticks.clear()
-        self.judged = None
+        self.debt, self.judged = 0.0, None
         self.ttfts.clear()
         return True
 
@@ -331,8 +332,8 @@ class Controller:
         self._set(level, "the level of the rank that receives the requests", now)
 
     def recent(self) -> list[tuple[float, int, int]]:
-        """The last HISTORY steps kept: what a rise is judged over."""
-        return list(self.steps)[-HISTORY:]
+        """The last HISTORY steps: what est_j is judged over."""
+        return list(self.steps)
 
     def observed(self) -> float | None:
         """The p90 TPOT of a stream over the last HISTORY steps (ms), whatever the level (idle: the last one)."""
@@ -360,8 +361,7 @@ class Controller:
                 self.last_seen = self.observed()
                 self.steps.clear()
                 self.saving.new_episode()
-            self.ticks.clear()
-            self.judged = None
+            self.debt, self.judged = 0.0, None
             return self._set(0, "idle", now)
         if now - self.last_tick < self.target.period_s:
             return False
@@ -378,44 +378,40 @@ class Controller:
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
                 + self.describe_saving())
         over = est[c] > t.tpot_ms
-        over_ticks, ticks, span = self._judge(over)
-        missed = f"over it at {over_ticks} of {ticks} ticks in {span} steps"
-        if over:
-            lasting = span >= RISE and over_ticks >= SHARE * ticks
-            if lasting or est[c] > SURGE * t.tpot_ms:
-                fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
-                j, why = ((fits[0], "") if fits else
-                          (self.top, f", no level predicted within {DOWN:g} x target: the top"))
-                how = missed if lasting else f"over {SURGE:g} x target"
-                return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} "
-                                    f"({how}; {load})", now)
+        debt = self._owe(est[c])
+        missed = f"missed by {debt:.1f} steps' worth of it at level {c}"
+        if over and (debt >= DEBT or est[c] > SURGE * t.tpot_ms):
+            fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
+            j, why = ((fits[0], "") if fits else
+                      (self.top, f", no level predicted within {DOWN:g} x target: the top"))
+            how = missed if debt >= DEBT else f"over {SURGE:g} x target"
+            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} "
+                                f"({how}; {load})", now)
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
-        if c > 0 and est[c - 1] <= DOWN * t.tpot_ms and ttft_under:
-            if self.fresh < FALL:  # a lull between arrivals, until the steps kept all ran at this level
-                return self._set(c, f"holding: level {c - 1} predicted at {est[c - 1]:.1f} ms, within {DOWN:g} x "
-                                    f"target, after {self.fresh} of the {FALL} steps a fall waits for ({load})", now)
-            long = self.estimates(steps=list(self.steps))[c - 1]
-            if long > DOWN * t.tpot_ms:  # the last HISTORY steps were a lull: the bursts before them say no
-                return self._set(c, f"holding: level {c - 1} predicted at {est[c - 1]:.1f} ms over the last "
-                                    f"{HISTORY} steps, at {long:.1f} ms over the last {FALL}, over {DOWN:g} x "
-                                    f"target ({load})", now)
-            return self._set(c - 1, f"level {c - 1} predicted at {est[c - 1]:.1f} ms, {long:.1f} ms over the last "
-                                    f"{FALL} steps, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
+        if c > 0 and ttft_under:  # judged over the level's own steps: the last STREAM (or the DWELL and more run)
+            since = list(self.steps)[-min(self.fresh, STREAM):]
+            low = self.estimates(steps=since)
+            if low[c - 1] <= DOWN * t.tpot_ms:
+                j = next(j for j in range(c) if low[j] <= DOWN * t.tpot_ms)
+                if self.fresh < STREAM:
+                    return self._set(c, f"holding: level {j} predicted at {low[j]:.1f} ms, within {DOWN:g} x "
+                                        f"target, after {self.fresh} of the {STREAM} steps at level {c} a fall "
+                                        f"waits for ({load})", now)
+                return self._set(j, f"level {j} predicted at {low[j]:.1f} ms over the {len(since)} steps at level "
+                                    f"{c}, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         if over:
             return self._set(c, f"holding: TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms, {missed}; "
-                                f"a rise waits for {SHARE:.0%} of the ticks in {RISE} steps ({load})", now)
+                                f"a rise at {DEBT:g} ({load})", now)
         return self._set(c, f"holding ({load})", now)
 
-    def _judge(self, over: bool) -> tuple[int, int, int]:
-        """Record this tick's verdict; returns (ticks over the target, ticks, steps) over the last RISE steps
-        judged at this level."""
-        if self.judged is None:
-            self.judged = self.count
-        self.ticks.append((self.count, over))
-        while self.ticks[0][0] < self.count - RISE:
-            self.ticks.popleft()
-        return sum(o for _, o in self.ticks), len(self.ticks), min(self.count - self.judged, RISE)
+    def _owe(self, est: float) -> float:
+        """Add this tick's miss to the debt (the decode steps since the last tick times est_c's excess over the
+        target, a share of it; under the target it pays back, to 0 at most); returns the debt."""
+        if self.judged is not None:
+            self.debt = max(0.0, self.debt + (self.count - self.judged) * (est / self.target.tpot_ms - 1.0))
+        self.judged = self.count
+        return self.debt
 
     def describe_saving(self) -> str:
         sv = self.saving
