@@ -427,15 +427,14 @@ def main(argv=None) -> None:
         finally:
             for srv in servers.values():
                 stop(srv)
-        page = md
-        for skipper, done in runs.items():
-            base = args.page or "elastic-ramp"
-            png = f"{base}.png" if skipper == "random" else f"{base}-{skipper}.png"
+        page, name = md, args.page or ("elastic-ramp" if "random" in skippers else "elastic-ramp-trained")
+        for skipper, done in runs.items():  # one skipper: the page's name; two: the trained one's suffixed
+            png = f"{name}.png" if skipper == "random" or len(runs) == 1 else f"{name}-{skipper}.png"
             names = list(done[0]["systems"])
             page += f"\n\n## {skipper} (figure: {png})\n\n" + table(done, names, target)
             plot(done, names, target, args.out / png)
         print(page)
-        R.write_results(args.page or ("elastic-ramp" if "random" in skippers else "elastic-ramp-trained"),
+        R.write_results(name,
                         {"target_ms": target, "capacity": cap, "rate": rate, "search": curve, "runs": runs,
                          "smoke": args.smoke}, page, args.out, R.docs_dir(args))
 
