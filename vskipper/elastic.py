@@ -44,15 +44,15 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           1 and DOWN is the hysteresis; straight to the level that fits, not one at a time)
     else keep.
 Up on the miss the streams have run up, down as soon as a stream's length of steps says a lower level fits.
-Near the knee the estimate runs over the target in bursts of 20-25 s (arrivals, or a busy neighbour on the
-machine) that decide a minute's p90 TPOT, while over HISTORY steps it is nearly their worst stream, so a
+Near the knee the estimate runs over the target in bursts of tens of seconds (arrivals, or a busy neighbour
+on the machine) that decide a minute's p90 TPOT, while over HISTORY steps it is nearly their worst stream, so a
 busy spell's first seconds, or a burst of a few seconds, put it over at loads where the p90 over every
 stream meets the target. A level reaches only the requests admitted after it is set, and those reach the
 batch over a stream's lifetime, so a rise must come within seconds of a burst that matters and leave as
 soon as it is over, and a short or slight miss must not raise it: the debt weighs a miss by how far over
-and how long (a wait for a fixed share of a fixed span, 128 steps, came after the bursts that set a step's
-p90, and the rule before it, a rise on the first miss and a fall only after 256 steps at the level, skipped
-44% of routed-layer work where upstream met the target). Falls go straight to the level that fits, judged
+and how long (a wait for a fixed share of a fixed span came after the bursts that set a step's p90, and a
+rise on the first miss with a fall only after several streams' lengths at the level skipped far more than
+the load needed: docs/architecture.md). Falls go straight to the level that fits, judged
 over the steps of the level alone: a lull between bursts may take it down, and the next burst runs up
 its debt again. A miss over SURGE times the target rises at the first decision. The first decision of a
 busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
