@@ -391,7 +391,7 @@ class Controller:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and ttft_under:  # judged over the level's own steps: the last STREAM (or the DWELL and more run)
             since = list(self.steps)[-min(self.fresh, STREAM):]
-            low = self.estimates(steps=since)
+            low = self.estimates(self.saving.value or 0.0, since)  # the saving as fitted for est above
             if low[c - 1] <= DOWN * t.tpot_ms:
                 j = next(j for j in range(c) if low[j] <= DOWN * t.tpot_ms)
                 if self.fresh < STREAM:
