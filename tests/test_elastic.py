@@ -137,6 +137,7 @@ def test_a_miss_rises_by_how_far_and_how_long_over_a_burst_or_a_swing_around_the
         c = Controller(Target(tpot_ms=8.0, period_s=0.5), ladder(L), step_model(), now=0.0)
         verdicts = iter(pattern * ticks)
         c.estimates = lambda s=None, steps=None: [next(verdicts)] + [5.0] * L
+        c.ahead = lambda s, n, steps=None: [0.0] * (L + 1)  # the batch at the tick: priced under est
         now = 0.0
         for i in range(ticks):
             now = run_steps(c, now + 1, DWELL, 8.0)
@@ -218,10 +219,13 @@ def test_stream_p90_is_the_p90_of_the_means_of_stream_long_runs():
     assert stream_p90([]) is None
 
 
-def test_rule_prices_the_batches_the_steps_ran_not_the_running_count_of_the_moment():
-    """Steps of 4 rows at 8 ms meet a 10 ms target: the level stays 0 whatever the running count at the
-    tick (an arrival, a burst); steps of 12 rows at 10.2 ms miss it, and it rises to the lowest level whose
-    price for those 12-row steps is within the band under the target."""
+def test_rule_prices_the_batches_the_steps_ran_until_a_row_cost_is_measured_then_the_batch_of_the_moment():
+    """Steps of 4 rows at 8 ms meet a 10 ms target: with every step of one size, what a row costs is not
+    measured, and the level stays 0 whatever the running count at the tick; steps of 12 rows at 11 ms miss
+    it, and it rises to the lowest level whose price for those 12-row steps is within the band under the
+    target. Once steps of several sizes ran (4 rows 6 ms, 8 rows 8 ms: 0.5 ms a row), a tick prices the
+    batch running and queued now: 24 rows, 16 ms, run up the debt at once (one such tick is not enough, two
+    are; a count back at 8 pays it back)."""
     m = step_model()
     c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
     now = run_steps(c, 0.0, HISTORY, 8.0, [0] * 4)
@@ -233,6 +237,27 @@ def test_rule_prices_the_batches_the_steps_ran_not_the_running_count_of_the_mome
     est = c.estimates()  # each 12-row step less the calibration's price of skipping (its prior, one depth ran)
     assert est[0] == pytest.approx(11.0) and est == sorted(est, reverse=True)
     assert 0 < c.level == next(j for j in range(L + 1) if est[j] <= DOWN * 10.0), c.reason
+
+    def busy(then_rows):
+        c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
+        now = 0.0
+        c.decode_step(now, [0] * 4)
+        for i in range(HISTORY):
+            now += (6.0 if i % 2 else 8.0) / 1e3
+            c.decode_step(now, [0] * (4 if i % 2 else 8))
+        assert not c.tick(now + 1, [0] * 8, 0) and c.level == 0 and "holding (" in c.reason, c.reason
+        assert c.saving.row == pytest.approx(0.5) and c.ahead(0.0, 8)[0] == pytest.approx(8.0)
+        for rows in (24, then_rows):
+            now = run_steps(c, now + 1, 8, 8.0, [0] * 8)
+            if c.tick(now + 1, [0] * (rows - 4), 4):
+                return c
+        return c
+
+    c = busy(24)
+    assert c.level > 0 and "TPOT 16.0 ms at level 0" in c.reason, c.reason
+    assert "missed by 9.6 steps' worth" in c.reason and "for the 24 running and queued" in c.reason, c.reason
+    c = busy(8)
+    assert c.level == 0 and "holding (" in c.reason and c.debt == pytest.approx(3.2), (c.debt, c.reason)
 
 
 def truth(budgets) -> float:

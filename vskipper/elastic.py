@@ -22,16 +22,21 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     est_j  = the 90th percentile, over every run of STREAM consecutive steps of the last HISTORY, of their mean step_j:
              a stream's TPOT is the mean of its gaps, so est_j is the p90 TPOT of the recent streams
              had they run at level j (est_c, at the level c of the steps, is simply what they saw)
+    ahead_j = the mean step_j over the last STREAM steps, moved to the n rows running and queued at the tick
+             by what one more row costs a step here (Saving's b, and c times a row's mean context: 0 until
+             steps of several batch sizes ran), less its saving at level j: the gap the streams of the moment
+             will see while the batch stays that size
     no calibration                    -> level 0 (nothing to predict with; said once in the log)
     no running or queued request      -> level 0 (idle; the steps kept are dropped)
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring); at level 0 the
           DWELL steps count once the batch has drained of rows admitted higher (at most DRAIN steps):
           until then the steps show neither level 0 nor what the routed path costs
-    debt   = the miss the streams have run up at level c: each tick adds the decode steps since the last
-             tick times est_c / tpot - 1 (a tick under the target pays back), never below 0; in steps' worth
-             of the target (a miss by 10% for 80 steps, by 20% for 40, runs up 8)
-    over: est_c > tpot now and debt >= DEBT, or est_c > SURGE * tpot
-          -> the lowest level above c with est_j <= DOWN * tpot (inside the band, so the
+    miss_j = max(est_j, ahead_j): what the recent streams saw, or the batch of the moment will cost, at level j
+    debt   = the miss run up at level c: each tick adds the decode steps since the last tick times
+             miss_c / tpot - 1 (a tick under the target pays back), never below 0; in steps' worth of the
+             target (a miss by 10% for 80 steps, by 20% for 40, runs up 8)
+    over: miss_c > tpot now and debt >= DEBT, or est_c > SURGE * tpot
+          -> the lowest level above c with miss_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving). Over the
           target there is no verdict that skipping "saves nothing": the saving fitted in service mixes
@@ -39,9 +44,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           and such verdicts sent RandomSkip 0.5 to level 0 under loads where its top ran faster; a
           skipper that saves nothing costs its quality only while the target is missed anyway
     over: p90 TTFT > ttft -> c + 1
-    under: the lowest level j below c with est_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft), est_j judged
-          over the last STREAM steps, once that many ran at c (the streams of the moment) -> j (the gap between
-          1 and DOWN is the hysteresis; straight to the level that fits, not one at a time)
+    under: the lowest level j below c with miss_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft), judged over
+          the last STREAM steps, once that many ran at c (the streams of the moment) -> j (the gap between 1 and
+          DOWN is the hysteresis; straight to the level that fits, not one at a time)
     else keep.
 Up on the miss the streams have run up, down as soon as a stream's length of steps says a lower level fits.
 Near the knee the estimate runs over the target in bursts of tens of seconds (arrivals, or a busy neighbour
@@ -56,9 +61,12 @@ the load needed: docs/architecture.md). Falls go straight to the level that fits
 over the steps of the level alone: a lull between bursts may take it down, and the next burst runs up
 its debt again. A miss over SURGE times the target rises at the first decision. The first decision of a
 busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
-Steps are judged over a stream's length, and at the batch sizes they ran: one step carrying a new
-request's prefill is several times a decode step, and the running count moves with every arrival, so a
-rule that read a few steps' p90, or priced the instantaneous count, swung between level 0 and the top.
+Steps are judged over a stream's length: one step carrying a new request's prefill is several times a
+decode step, so a rule that read a few steps' p90 swung between level 0 and the top. The running count
+moves with every arrival, and a rule that priced it alone swung too; but the steps alone see a burst only
+as its rows run, after the streams it admitted at level 0 have begun to miss. So the batch of the moment
+is priced (ahead_c) and enters through the debt: a tick adds at most its own steps' worth of its miss,
+and a burst that holds for a few ticks rises within seconds of its arrivals.
 The calibration prices layers, not a server's whole step, and on a CPU at small batches it prices skipping
 at almost nothing where whole steps at the skipper's depth run 10-25% faster: the saving is therefore learned
 from the server's own steps once it has run more than one depth; before that, where the prior sees no
@@ -197,6 +205,7 @@ class Saving:
         self.episode = 0
         self.value: float | None = None  # s, refitted by fit()
         self.routed = 0.0  # d, refitted by fit()
+        self.row = 0.0  # b plus c times a row's mean context: what one more row costs a step, refitted by fit()
         self.prior: float | None = None
 
     def add(self, ms: float, budgets, context: int = 0) -> None:
@@ -241,6 +250,8 @@ class Saving:
         if coef is None:
             coef, cov = self._least_squares(cols, w, episodes, routed=False)
         self.value, self.routed = max(0.0, float(coef[1])), float(coef[3]) if len(coef) > 3 else 0.0
+        context = sum(s[3] for s in self.steps) / max(1, sum(s[1] for s in self.steps))
+        self.row = max(0.0, float(coef[0]) + max(0.0, float(coef[2])) * context)
         return self.value
 
     def _least_squares(self, cols: np.ndarray, w: float, episodes: int, routed: bool):
@@ -351,6 +362,20 @@ class Controller:
         return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B) + d * ((k > 0) - (B > 0))) for ms, T, B in steps)
                 for k in self.budgets]
 
+    def ahead(self, s: float, n: int, steps=None) -> list[float]:
+        """ahead_j of every level (ms): the mean of `steps` (default the last STREAM) priced at level j, moved
+        to a batch of `n` rows at level j by what a row costs here (Saving.row, less its saving at level j):
+        the gap the streams running and queued now will see, while the batch stays that size."""
+        steps = self.recent()[-STREAM:] if steps is None else steps
+        if not steps:
+            return [0.0] * len(self.budgets)
+        d, row, T = self.saving.routed, self.saving.row, sum(t for _, t, _ in steps) / len(steps)
+        out = []
+        for k in self.budgets:
+            m = sum(max(FLOOR * ms, ms - s * (t * k - B) + d * ((k > 0) - (B > 0))) for ms, t, B in steps) / len(steps)
+            out.append(max(FLOOR * m, m + (n - T) * max(0.0, row - s * k)))
+        return out
+
     def tick(self, now: float, running: list[int], waiting: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
         n = len(running) + waiting
@@ -371,27 +396,30 @@ class Controller:
         t, c = self.target, self.level
         seen = self.observed()
         est = self.estimates()
+        ahead = self.ahead(self.saving.value or 0.0, n)
         ttft = p90(self.ttfts) if self.ttfts else None
         ttft_over = t.ttft_ms is not None and ttft is not None and ttft > t.ttft_ms
         ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
         load = (f"stream p90 TPOT {seen:.1f} ms, {len(running)} running, {waiting} queued; predicted per level "
-                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + " ms; "
-                + self.describe_saving())
-        over = est[c] > t.tpot_ms
-        debt = self._owe(est[c])
+                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + f" ms, for the {n} running and queued "
+                + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(ahead)) + " ms; " + self.describe_saving())
+        miss = max(est[c], ahead[c])
+        over = miss > t.tpot_ms
+        debt = self._owe(miss)
         missed = f"missed by {debt:.1f} steps' worth of it at level {c}"
         if over and (debt >= DEBT or est[c] > SURGE * t.tpot_ms):
-            fits = [j for j in range(c + 1, self.top + 1) if est[j] <= DOWN * t.tpot_ms]
+            fits = [j for j in range(c + 1, self.top + 1) if max(est[j], ahead[j]) <= DOWN * t.tpot_ms]
             j, why = ((fits[0], "") if fits else
                       (self.top, f", no level predicted within {DOWN:g} x target: the top"))
             how = missed if debt >= DEBT else f"over {SURGE:g} x target"
-            return self._set(j, f"TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} "
+            return self._set(j, f"TPOT {miss:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} "
                                 f"({how}; {load})", now)
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and ttft_under:  # judged over the level's own steps: the last STREAM (or the DWELL and more run)
             since = list(self.steps)[-min(self.fresh, STREAM):]
             low = self.estimates(self.saving.value or 0.0, since)  # the saving as fitted for est above
+            low = [max(e, a) for e, a in zip(low, self.ahead(self.saving.value or 0.0, n, since[-STREAM:]))]
             if low[c - 1] <= DOWN * t.tpot_ms:
                 j = next(j for j in range(c) if low[j] <= DOWN * t.tpot_ms)
                 if self.fresh < STREAM:
@@ -401,7 +429,7 @@ class Controller:
                 return self._set(j, f"level {j} predicted at {low[j]:.1f} ms over the {len(since)} steps at level "
                                     f"{c}, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         if over:
-            return self._set(c, f"holding: TPOT {est[c]:.1f} ms at level {c} over target {t.tpot_ms:g} ms, {missed}; "
+            return self._set(c, f"holding: TPOT {miss:.1f} ms at level {c} over target {t.tpot_ms:g} ms, {missed}; "
                                 f"a rise at {DEBT:g} ({load})", now)
         return self._set(c, f"holding ({load})", now)
 
