@@ -25,6 +25,30 @@ def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 1000
 
 
+def test_ramp_reads_the_criterion_off_the_pooled_steps_and_says_what_it_cannot_judge():
+    from benchmarks.serving.elastic_ramp import verdict
+
+    def steps(rows):  # (multiple, upstream p90, level 0 p90, elastic p90, elastic skip)
+        return [{"multiple": f, "systems": {"upstream": {"tpot_p90_ms": u}, "level0": {"tpot_p90_ms": z},
+                                             "elastic-random": {"tpot_p90_ms": e, "skip": k}}}
+                for f, u, z, e, k in rows]
+
+    names = ["upstream", "level0", "elastic-random"]
+    held = steps([(0.9, 80, 82, 81, 0.0), (1.0, 95, 97, 96, 0.04), (1.1, 120, 121, 99, 0.3), (1.25, 140, 150, 99, 0.4)])
+    v = verdict(held, names, 100.0)
+    assert "(b) met" in v and "(0.9x R, 1x R) elastic skipped 0.0%, 4.0%" in v, v
+    assert "(a) met: upstream first missed the target at 1.1x R" in v and "to 1.25x R 99, 99 ms" in v, v
+    assert "upstream over, level0 over" in v, v
+    v = verdict(steps([(1.0, 95, 97, 96, 0.074), (1.1, 120, 121, 130, 0.3), (1.25, 140, 150, 99, 0.4)]), names, 100.0)
+    assert "(b) NOT met" in v and "7.4%" in v and "(a) NOT met" in v and "130, 99 ms" in v, v
+    v = verdict(steps([(0.9, 80, 82, 81, 0.0), (1.1, 90, 101, 92, 0.0)]), names, 100.0)
+    assert "(b) met" in v and "(a) not judged: upstream met the target at every step" in v, v
+    v = verdict(steps([(0.9, 80, 82, 81, 0.0), (1.0, 120, 101, 92, 0.2)]), names, 100.0)
+    assert "(a) not judged: upstream first missed the target at 1x R, and no step reached 1.1x" in v, v
+    v = verdict(steps([(1.0, 120, 130, 92, 0.2), (1.1, 130, 99, 95, 0.3)]), names, 100.0)
+    assert "(b) not judged" in v and "(a) NOT met" in v and "level0 WITHIN" in v, v
+
+
 def test_ramp_pools_its_rounds_in_random_order_and_sums_route_counts(monkeypatch):
     """ramp: every round offers every step to every server, steps and servers shuffled per round, the
     same requests to every server within a round; a step's p90 is over the requests of all its rounds,

@@ -285,6 +285,36 @@ def table(steps: list[dict], names: list[str], target_ms: float) -> str:
                     "p90 TPOT per round ms"], rows)
 
 
+def verdict(steps: list[dict], names: list[str], target_ms: float) -> str:
+    """The issue's criterion read off one skipper's pooled steps: (b) where upstream's p90 TPOT meets the
+    target, elastic skips at most 5% of routed-layer work; (a) from the first step upstream misses it (the
+    load where it stops meeting it) to the first step at or past 1.1x that load, elastic's p90 meets it,
+    while at that last step upstream's and level 0's do not. A part the steps cannot judge says so."""
+    (el,) = [n for n in names if n.startswith("elastic")]
+    p90 = {st["multiple"]: {n: st["systems"][n]["tpot_p90_ms"] for n in names} for st in steps}
+    skip = {st["multiple"]: st["systems"][el].get("skip") or 0.0 for st in steps}
+    loads = sorted(p90)
+    met = [f for f in loads if p90[f]["upstream"] <= target_ms]
+    b = ("(b) not judged: upstream missed the target at every step" if not met else
+         f"(b) {'met' if all(skip[f] <= 0.05 for f in met) else 'NOT met'}: where upstream met the target ("
+         + ", ".join(f"{f:g}x R" for f in met) + ") elastic skipped "
+         + ", ".join(f"{skip[f]:.1%}" for f in met) + " (at most 5%)")
+    stop = next((f for f in loads if p90[f]["upstream"] > target_ms), None)
+    reach = None if stop is None else next((f for f in loads if f >= 1.1 * stop - 1e-9), None)
+    if stop is None:
+        return f"Criterion: {b}; (a) not judged: upstream met the target at every step."
+    if reach is None:
+        return (f"Criterion: {b}; (a) not judged: upstream first missed the target at {stop:g}x R, and no step "
+                f"reached 1.1x that load.")
+    span = [f for f in loads if stop <= f <= reach]
+    others = {n: p90[reach][n] > target_ms for n in ("upstream", "level0") if n in p90[reach]}
+    ok = all(p90[f][el] <= target_ms for f in span) and all(others.values())
+    return (f"Criterion: {b}; (a) {'met' if ok else 'NOT met'}: upstream first missed the target at {stop:g}x R; "
+            f"elastic's p90 TPOT from there to {reach:g}x R " + ", ".join(f"{p90[f][el]:.0f}" for f in span)
+            + f" ms (target {target_ms:.1f}); at {reach:g}x R "
+            + ", ".join(f"{n} {'over' if over else 'WITHIN'}" for n, over in others.items()) + ".")
+
+
 def plot(steps: list[dict], names: list[str], target_ms: float, path: Path) -> None:
     import matplotlib
 
@@ -432,6 +462,8 @@ def main(argv=None) -> None:
             png = f"{name}.png" if skipper == "random" or len(runs) == 1 else f"{name}-{skipper}.png"
             names = list(done[0]["systems"])
             page += f"\n\n## {skipper} (figure: {png})\n\n" + table(done, names, target)
+            if any(n.startswith("elastic") for n in names) and "upstream" in names:
+                page += "\n\n" + verdict(done, names, target)
             plot(done, names, target, args.out / png)
         print(page)
         R.write_results(name,
