@@ -38,7 +38,8 @@
    on /metrics, read when the first measured request is sent and after the run), tokens per elastic level,
    greedy agreement with upstream on a fixed probe subset (the first `--probes` measured requests of every
    step are the same prompts), and each round's own p90.
-4. A table per skipper, results.json, a figure (p90 TPOT and skip fraction against offered load, the
+4. A table per skipper with the issue's criterion read off its pooled steps (`verdict`: which parts the
+   steps judge, and how), results.json, a figure (p90 TPOT and skip fraction against offered load, the
    target drawn) and the page docs/results/elastic-ramp.md.
 `--smoke`: tiny sizes, RandomSkip only (a check that the script runs, not a measurement).
 """
