@@ -419,7 +419,7 @@ class Controller:
         if c > 0 and ttft_under:  # judged over the level's own steps: the last STREAM (or the DWELL and more run)
             since = list(self.steps)[-min(self.fresh, STREAM):]
             low = self.estimates(self.saving.value or 0.0, since)  # the saving as fitted for est above
-            low = [max(e, a) for e, a in zip(low, self.ahead(self.saving.value or 0.0, n, since[-STREAM:]))]
+            low = [max(e, a) for e, a in zip(low, self.ahead(self.saving.value or 0.0, n, since))]
             if low[c - 1] <= DOWN * t.tpot_ms:
                 j = next(j for j in range(c) if low[j] <= DOWN * t.tpot_ms)
                 if self.fresh < STREAM:
