@@ -66,7 +66,7 @@ decode step, so a rule that read a few steps' p90 swung between level 0 and the 
 moves with every arrival, and a rule that priced it alone swung too; but the steps alone see a burst only
 as its rows run, after the streams it admitted at level 0 have begun to miss. So the batch of the moment
 is priced (ahead_c) and enters through the debt: a tick adds at most its own steps' worth of its miss,
-and a burst that holds for a few ticks rises within seconds of its arrivals.
+and a burst that holds runs up its debt from its first ticks, not once its streams have run.
 The calibration prices layers, not a server's whole step, and on a CPU at small batches it prices skipping
 at almost nothing where whole steps at the skipper's depth run 10-25% faster: the saving is therefore learned
 from the server's own steps once it has run more than one depth; before that, where the prior sees no
