@@ -6,7 +6,8 @@ import pytest
 
 
 def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
-    from benchmarks.serving.elastic_ramp import plot, quantile, shares, table
+    from benchmarks.serving.elastic_page import plot, table
+    from benchmarks.serving.elastic_ramp import quantile, shares
 
     assert quantile([5, 1, 4, 2, 3], 0.9) == 5 and quantile([5, 1, 4, 2, 3], 0.5) == 3
     m = lambda p90, skip: dict(tpot_p50_ms=p90 / 2, tpot_p90_ms=p90, ttft_p50_s=0.1, ttft_p90_s=0.2, tok_s=9.0,  # noqa: E731
@@ -26,7 +27,7 @@ def test_ramp_table_marks_steps_over_the_target_and_draws_the_figure(tmp_path):
 
 
 def test_ramp_reads_the_criterion_off_the_pooled_steps_and_says_what_it_cannot_judge():
-    from benchmarks.serving.elastic_ramp import verdict
+    from benchmarks.serving.elastic_page import verdict
 
     def steps(rows):  # (multiple, upstream p90, level 0 p90, elastic p90, elastic skip)
         return [{"multiple": f, "systems": {"upstream": {"tpot_p90_ms": u}, "level0": {"tpot_p90_ms": z},
