@@ -357,10 +357,13 @@ class Controller:
         path at all costs."""
         if s is None:
             s = self.saving.fit() or 0.0
-        d = self.saving.routed
         steps = self.recent() if steps is None else steps
-        return [stream_p90(max(FLOOR * ms, ms - s * (T * k - B) + d * ((k > 0) - (B > 0))) for ms, T, B in steps)
-                for k in self.budgets]
+        return [stream_p90(self._priced(steps, s, k)) for k in self.budgets]
+
+    def _priced(self, steps, s: float, k: int) -> list[float]:
+        """step_j of each of `steps` at the level whose budget is k (s: ms one row saves per routed layer of budget)."""
+        d = self.saving.routed
+        return [max(FLOOR * ms, ms - s * (T * k - B) + d * ((k > 0) - (B > 0))) for ms, T, B in steps]
 
     def ahead(self, s: float, n: int, steps=None) -> list[float]:
         """ahead_j of every level (ms): the mean of `steps` (default the last STREAM) priced at level j, moved
@@ -369,12 +372,9 @@ class Controller:
         steps = self.recent()[-STREAM:] if steps is None else steps
         if not steps:
             return [0.0] * len(self.budgets)
-        d, row, T = self.saving.routed, self.saving.row, sum(t for _, t, _ in steps) / len(steps)
-        out = []
-        for k in self.budgets:
-            m = sum(max(FLOOR * ms, ms - s * (t * k - B) + d * ((k > 0) - (B > 0))) for ms, t, B in steps) / len(steps)
-            out.append(max(FLOOR * m, m + (n - T) * max(0.0, row - s * k)))
-        return out
+        T = sum(t for _, t, _ in steps) / len(steps)
+        means = [sum(self._priced(steps, s, k)) / len(steps) for k in self.budgets]
+        return [max(FLOOR * m, m + (n - T) * max(0.0, self.saving.row - s * k)) for m, k in zip(means, self.budgets)]
 
     def tick(self, now: float, running: list[int], waiting: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
@@ -396,7 +396,8 @@ class Controller:
         t, c = self.target, self.level
         seen = self.observed()
         est = self.estimates()
-        ahead = self.ahead(self.saving.value or 0.0, n)
+        s = self.saving.value or 0.0  # as fitted for est: one fit a tick
+        ahead = self.ahead(s, n)
         ttft = p90(self.ttfts) if self.ttfts else None
         ttft_over = t.ttft_ms is not None and ttft is not None and ttft > t.ttft_ms
         ttft_under = t.ttft_ms is None or ttft is None or ttft <= DOWN * t.ttft_ms
@@ -418,8 +419,7 @@ class Controller:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and ttft_under:  # judged over the level's own steps: the last STREAM (or the DWELL and more run)
             since = list(self.steps)[-min(self.fresh, STREAM):]
-            low = self.estimates(self.saving.value or 0.0, since)  # the saving as fitted for est above
-            low = [max(e, a) for e, a in zip(low, self.ahead(self.saving.value or 0.0, n, since))]
+            low = [max(e, a) for e, a in zip(self.estimates(s, since), self.ahead(s, n, since))]
             if low[c - 1] <= DOWN * t.tpot_ms:
                 j = next(j for j in range(c) if low[j] <= DOWN * t.tpot_ms)
                 if self.fresh < STREAM:
