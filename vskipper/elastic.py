@@ -434,7 +434,7 @@ class Controller:
         return self._set(c, f"holding ({load})", now)
 
     def _owe(self, est: float) -> float:
-        """Add this tick's miss to the debt (the decode steps since the last tick times est_c's excess over the
+        """Add this tick's miss to the debt (the decode steps since the last tick times miss_c's excess over the
         target, a share of it; under the target it pays back, to 0 at most); returns the debt."""
         if self.judged is not None:
             self.debt = max(0.0, self.debt + (self.count - self.judged) * (est / self.target.tpot_ms - 1.0))
