@@ -413,6 +413,7 @@ def test_without_a_calibration_it_stays_at_level_0_and_says_so():
     ({"VSKIPPER_TPOT_MS": "40", "VSKIPPER_TTFT_MS": "-1"}, r"VSKIPPER_TTFT_MS='-1' must be a positive"),
     ({"VSKIPPER_TTFT_MS": "100"}, r"VSKIPPER_TTFT_MS is a target of elastic depth, which VSKIPPER_TPOT_MS turns on"),
     ({"VSKIPPER_TPOT_MS": "40", "VSKIPPER_CONTROL_PERIOD_MS": "x"}, r"VSKIPPER_CONTROL_PERIOD_MS='x'"),
+    ({"VSKIPPER_ELASTIC_TRACE": "/tmp/t"}, r"VSKIPPER_ELASTIC_TRACE records elastic depth, which VSKIPPER_TPOT_MS"),
 ])
 def test_bad_environment_settings_name_the_variable(env, message):
     from vskipper.integrations.sglang.settings import Settings

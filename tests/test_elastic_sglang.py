@@ -51,7 +51,7 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
                             sampling_params=[sampling(NEW)] * 4 + [sampling(60)])
         upstream = [o["output_ids"] for o in outs]
     env = dict(VSKIPPER_EXECUTION="routed", VSKIPPER_TPOT_MS="0.001", VSKIPPER_CONTROL_PERIOD_MS="1",
-               VSKIPPER_STATS_INTERVAL="4", **cal)
+               VSKIPPER_STATS_INTERVAL="4", VSKIPPER_ELASTIC_TRACE=str(tmp_path / "trace"), **cal)
     with engine(path, log_level="info", engine_args={"max_running_requests": 4}, **env) as eng:
         idle = [o["output_ids"] for o in eng.generate(input_ids=[p.tolist() for p in probes],
                                                       sampling_params=[sampling(NEW)] * 4)]
@@ -102,6 +102,14 @@ def test_a_tight_target_rises_under_a_queue_and_falls_when_the_load_goes(tmp_pat
                      r"time per level 0:", line)
     tokens = dict(re.findall(r"(\d+):(\d+)", line.split("tokens per level")[1]))
     assert int(tokens.get("0", 0)) > 0 and int(tokens.get("4", 0)) > 0, line
+    # the trace: the server's events replay its levels exactly (vskipper/elastic_trace.py)
+    from vskipper.elastic_trace import read, replay
+
+    (trace,) = (tmp_path / "trace").glob("tp0-*.jsonl")
+    assert f"elastic depth's events are traced to {trace}" in err
+    ((head, events),) = read(trace)
+    ticks = replay(head, events)
+    assert [t[2] for t in ticks] == [t[3] for t in ticks] and {0, 4} <= {t[2] for t in ticks}
 
 
 @pytest.mark.sglang

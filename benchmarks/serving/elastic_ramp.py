@@ -40,7 +40,8 @@
    step are the same prompts), and each round's own p90.
 4. A table per skipper with the issue's criterion read off its pooled steps (elastic_page.py: which parts
    the steps judge, and how), results.json, a figure (p90 TPOT and skip fraction against offered load, the
-   target drawn) and the page docs/results/elastic-ramp.md.
+   target drawn) and the page docs/results/elastic-ramp.md. Each elastic server's controller events go to
+   <out>/traces/<skipper>/ (vskipper/elastic_trace.py): elastic_replay.py replays other rules over them.
 `--smoke`: tiny sizes, RandomSkip only (a check that the script runs, not a measurement).
 """
 from __future__ import annotations
@@ -183,9 +184,11 @@ def find_rate(client, url: str, rows_for, target_ms: float, cap: float, seed: in
     return best, curve
 
 
-def systems_for(model: str, name: str, spec: str, target_ms: float | None, level0: str | None = None) -> list[System]:
+def systems_for(model: str, name: str, spec: str, target_ms: float | None, level0: str | None = None,
+                trace: str | None = None) -> list[System]:
     """One skipper's servers: upstream, vskipper at level 0 (when `level0`: its spec), the skipper at
-    fixed depth and elastic (when `target_ms` is given)."""
+    fixed depth and elastic (when `target_ms` is given; `trace`: the directory its controller's events go
+    to, vskipper/elastic_trace.py)."""
     on = (("VSKIPPER_STATS_INTERVAL", "8"),)
     out = [System("upstream", model, label="upstream", args=("--enable-metrics",))]
     if level0:
@@ -193,7 +196,8 @@ def systems_for(model: str, name: str, spec: str, target_ms: float | None, level
                           args=("--enable-metrics",)))
     out.append(System(f"fixed-{name}", model, spec, env=on, label=f"{name}, fixed depth", args=("--enable-metrics",)))
     if target_ms is not None:
-        out.append(System(f"elastic-{name}", model, spec, env=on + (("VSKIPPER_TPOT_MS", f"{target_ms:.3f}"),),
+        traced = (("VSKIPPER_ELASTIC_TRACE", trace),) if trace else ()
+        out.append(System(f"elastic-{name}", model, spec, env=on + (("VSKIPPER_TPOT_MS", f"{target_ms:.3f}"),) + traced,
                           label=f"{name}, elastic", args=("--enable-metrics",)))
     return out
 
@@ -380,7 +384,9 @@ def main(argv=None) -> None:
                                         strict=not args.smoke, floor=KNEE * cap if auto else None,
                                         refine=not args.smoke)
                 md = head(args, target, cap, rate, curve)
-            (elastic,) = [s for s in systems_for(args.model, name, spec, target) if s.name.startswith("elastic")]
+            trace = str((args.out / "traces" / name).resolve())
+            (elastic,) = [s for s in systems_for(args.model, name, spec, target, trace=trace)
+                          if s.name.startswith("elastic")]
             servers.update(start_all([elastic], args.out / "logs", threads=SERVER_THREADS, log_level="info"))
             runs[name] = ramp(client, servers, steps, rate, rows_at, args.probes, args.seed, args.rounds)
         finally:

@@ -25,9 +25,11 @@ inside captured graphs."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 from vskipper import cost
 from vskipper.elastic import LADDER, Controller, StepModel, ladder
@@ -86,9 +88,10 @@ def level_of(extra_key: str | None) -> int | None:
     return int(extra_key.rsplit(KEY, 1)[1].split("|", 1)[0])
 
 
-def install(runner, model, target, budgets) -> None:
+def install(runner, model, target, budgets, trace: str | None = None) -> None:
     """Make this process's controller: the ladder over the skipper's routed layers, the calibration's
-    step model (none for this device: the controller stays at level 0 and says so)."""
+    step model (none for this device: the controller stays at level 0 and says so); `trace`: a directory
+    its events are appended to (vskipper/elastic_trace.py)."""
     global _ELASTIC
     st = model.vskipper
     L = len(st.skipper.layers)
@@ -101,7 +104,17 @@ def install(runner, model, target, budgets) -> None:
     execution = st.config.execution
     bodies = cost.Calibration.bodies(cal) if cal is not None and execution == "auto" else (execution,)
     step = None if cal is None else StepModel(cal, bodies, len(model.model.layers), L, st.skipper.expected_run_fraction)
-    _ELASTIC = Elastic(Controller(target, levels, step, time.monotonic()), budgets)
+    now = time.monotonic()
+    controller = Controller(target, levels, step, now)
+    if trace:
+        from sglang.srt.runtime_context import get_parallel
+
+        from vskipper.elastic_trace import Recorder
+
+        path = Path(trace) / f"tp{get_parallel().tp_rank}-{os.getpid()}.jsonl"
+        controller = Recorder(controller, path, now)
+        logger.info("vskipper: elastic depth's events are traced to %s", path)
+    _ELASTIC = Elastic(controller, budgets)
     caps = ", ".join(f"{j}:{m:g}" for j, m in enumerate(LADDER[:len(levels)]))
     logger.info("vskipper: elastic depth on: target TPOT %g ms%s, control period %g s; levels (max_skip) %s, "
                 "budgets %s of %d routed layers; starts at level 0 (the base model's function)%s", target.tpot_ms,

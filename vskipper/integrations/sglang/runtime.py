@@ -67,7 +67,7 @@ def transform_loaded(runner) -> None:
     if settings.target() is not None:
         from vskipper.integrations.sglang import elastic
 
-        elastic.install(runner, model, settings.target(), budgets)
+        elastic.install(runner, model, settings.target(), budgets, settings.elastic_trace)
     if settings.stats_interval or os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # the log line, or /metrics alone
         install_stats_logger(runner, settings.stats_interval or EXPORT_INTERVAL, log=bool(settings.stats_interval))
     if settings.route_digest:

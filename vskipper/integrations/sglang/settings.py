@@ -18,6 +18,8 @@ VSKIPPER_TPOT_MS         a latency target (ms per output token): turns on elasti
                          (vskipper/elastic.py); needs a skipper                    (unset: off)
 VSKIPPER_TTFT_MS         with VSKIPPER_TPOT_MS: a time-to-first-token target as well (ms)
 VSKIPPER_CONTROL_PERIOD_MS  how often elastic depth chooses its level                (default 1000)
+VSKIPPER_ELASTIC_TRACE   a directory: with VSKIPPER_TPOT_MS, each scheduler process appends every event its
+                         controller sees there (vskipper/elastic_trace.py: a tuning aid, replayed offline)
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class Settings:
     tpot_ms: float | None = None
     ttft_ms: float | None = None
     control_period_ms: float = 1000.0
+    elastic_trace: str | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -77,11 +80,16 @@ class Settings:
             raise ValueError("VSKIPPER_TTFT_MS is a target of elastic depth, which VSKIPPER_TPOT_MS turns on; "
                              "set VSKIPPER_TPOT_MS too")
         period = parse_ms("VSKIPPER_CONTROL_PERIOD_MS", env.get("VSKIPPER_CONTROL_PERIOD_MS")) or 1000.0
+        trace = env.get("VSKIPPER_ELASTIC_TRACE") or None
+        if trace is not None and tpot is None:
+            raise ValueError("VSKIPPER_ELASTIC_TRACE records elastic depth, which VSKIPPER_TPOT_MS turns on; "
+                             "set VSKIPPER_TPOT_MS too")
         return cls(
             skipper_spec=spec,
             tpot_ms=tpot,
             ttft_ms=ttft,
             control_period_ms=period,
+            elastic_trace=trace,
             execution=_choice("VSKIPPER_EXECUTION", env.get("VSKIPPER_EXECUTION", "auto"), EXECUTIONS),
             impl=_choice("VSKIPPER_IMPL", env.get("VSKIPPER_IMPL", "auto"), IMPLS),
             static_shapes=None if static == "auto" else static == "1",
@@ -117,6 +125,8 @@ class Settings:
         if self.tpot_ms is not None:
             env["VSKIPPER_TPOT_MS"] = repr(self.tpot_ms)
             env["VSKIPPER_CONTROL_PERIOD_MS"] = repr(self.control_period_ms)
+        if self.elastic_trace:
+            env["VSKIPPER_ELASTIC_TRACE"] = self.elastic_trace
         if self.ttft_ms is not None:
             env["VSKIPPER_TTFT_MS"] = repr(self.ttft_ms)
         return env
