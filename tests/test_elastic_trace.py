@@ -57,7 +57,7 @@ def test_a_trace_replays_the_servers_levels_and_a_changed_rule_moves_the_rise(tm
     assert "life 0 spell 0:" in text and "life 0 spell 1:" in text and "spell 2" not in text, text
     assert "server: a rise in 1 of 2 spells" in text and "replayed (changed: DEBT=4.0): a rise in 1 of 2" in text, text
     assert "; apart from +" in text.splitlines()[0] and "level 0 throughout" in text.splitlines()[1], text
-    # a restarted server appends a second life to the same file
+    # a controller made again in the same process appends a second life to the same file
     traced(path, now)
     assert len(read(path)) == 2
 

@@ -55,8 +55,8 @@ class Recorder:
 
 
 def read(path) -> list[tuple[dict, list]]:
-    """The server lives in a trace file, each as (header, events): a file appended to by a restarted server
-    holds several."""
+    """Each controller's life in a trace file as (header, events): a process that made its controller
+    again (the model reloaded) appended a second header and its events to the same file."""
     lives: list[tuple[dict, list]] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):

@@ -3,7 +3,7 @@ its constants changed, have moved the level in each busy spell? Minutes, where a
 
     python -m benchmarks.serving.elastic_replay out/elastic-ramp/traces/random --set DEBT=4
 
-For every busy spell (ticks with rows running or queued, between idle ones) of every server life in the
+For every busy spell (ticks with rows running or queued, between idle ones) of every controller life in the
 trace files (a directory: its tp0-*.jsonl, the ranks that decide): the server's level changes and the
 replayed ones, in seconds from the spell's start, and the spell's peak rows. The steps are the server's,
 run at its levels: up to the first tick where the replayed level differs, the replay is exactly what the
