@@ -31,10 +31,11 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring); at level 0 the
           DWELL steps count once the batch has drained of rows admitted higher (at most DRAIN steps):
           until then the steps show neither level 0 nor what the routed path costs
-    steady_j = TAIL x a_j / (1 - W r_j): the step at level j once the batch settles to the load served over
-             the last LOAD_S seconds (W rows a second), by Little's law (n = W x step) on a step a_j + r_j n
-             (r_j: what a row costs less its saving at level j; a_j: the mean step_j less r_j times its rows);
-             inf where W r_j >= 1 (level j cannot keep up); TAIL, as a stream's p90 sits above the mean step
+    steady_j = a_j + TAIL (a_j / (1 - W r_j) - a_j): the step at level j once the batch settles to the load
+             served over the last LOAD_S seconds (W rows a second), by Little's law (n = W x step) on a step
+             a_j + r_j n (r_j: what a row costs less its saving at level j; a_j: the mean step_j less r_j
+             times its rows), what the batch adds to a_j taken TAIL times (a stream's p90 sits above the
+             mean step as the batch swings); inf where W r_j >= 1 (level j cannot keep up)
     miss_j = max(est_j, ahead_j): what the recent streams saw, or the batch of the moment will cost, at level j
     debt   = the miss run up at level c: each tick adds the decode steps since the last tick times
              miss_c / (GUARD x tpot) - 1 (a tick under it pays back), never below 0; in steps' worth of
@@ -107,7 +108,7 @@ PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums 
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
 SURE = 2.0  # standard errors: what running the routed path costs (d) counts only this far above 0
 LOAD_S = 60.0  # seconds of decode steps the load (rows served per second) is judged over for a fall
-TAIL = 1.5  # a stream's p90 TPOT over the mean step near the knee: the steady step of a fall is priced this far up
+TAIL = 1.5  # how far a stream's p90 TPOT sits above the mean step near the knee, as a share of what queueing adds
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -392,7 +393,7 @@ class Controller:
 
     def steady(self, s: float, steps) -> list[float]:
         """steady_j of every level (ms, the module's docstring): `steps` priced at level j, at the batch the
-        rows served a second over the last LOAD_S settle to (Little's law), times TAIL; inf if j cannot keep up."""
+        rows served a second over the last LOAD_S settle to (Little's law); inf if j cannot keep up."""
         if len(self.served) < 2 or not steps:
             return [0.0] * len(self.budgets)
         span = self.served[-1][0] - self.served[0][0]
@@ -403,7 +404,7 @@ class Controller:
             r = max(0.0, self.saving.row - s * k)
             m = sum(self._priced(steps, s, k)) / len(steps)
             a = max(FLOOR * m, m - r * T)
-            out.append(math.inf if W * r >= 1 else TAIL * a / (1 - W * r))
+            out.append(math.inf if W * r >= 1 else a + TAIL * (a / (1 - W * r) - a))
         return out
 
     def tick(self, now: float, running: list[int], waiting: int) -> bool:
