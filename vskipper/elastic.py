@@ -463,13 +463,12 @@ class Controller:
                                     f"{c}, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         if over:
             return self._set(c, f"holding: TPOT {miss:.1f} ms at level {c} over {GUARD:g} x target {t.tpot_ms:g} ms, "
-                                f"{missed}; "
-                                f"a rise at {DEBT:g} ({load})", now)
+                                f"{missed}; a rise at {DEBT:g} ({load})", now)
         return self._set(c, f"holding ({load})", now)
 
     def _owe(self, est: float) -> float:
-        """Add this tick's miss to the debt (the decode steps since the last tick times miss_c's excess over the
-        GUARD x target, a share of it; under it it pays back, to 0 at most); returns the debt."""
+        """Add this tick's miss to the debt (the decode steps since the last tick times miss_c's excess over
+        GUARD x target, as a share of it; under it, it pays back, to 0 at most); returns the debt."""
         if self.judged is not None:
             self.debt = max(0.0, self.debt + (self.count - self.judged) * (est / (GUARD * self.target.tpot_ms) - 1.0))
         self.judged = self.count
