@@ -13,14 +13,11 @@ from vskipper.elastic import (
     DOWN,
     DRAIN,
     DWELL,
-    GUARD,
     HISTORY,
     LADDER,
     LEARN,
-    LOAD_S,
     STREAM,
     SURGE,
-    TAIL,
     Controller,
     Saving,
     StepModel,
@@ -67,24 +64,23 @@ def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
     m = step_model()
     c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
     assert c.admit() == 0 and c.reason == "measuring"
-    # at level 0, 8 running and 8 queued (the server runs 8 at once): steps at 9.9 ms miss GUARD x 10 ms by 10%
-    assert GUARD * 10.0 == pytest.approx(9.0)
-    now = run_steps(c, 0.0, DWELL - 1, 9.9)
+    # at level 0, 8 running and 8 queued (the server runs 8 at once): steps at 11 ms miss 10 ms by 10%
+    now = run_steps(c, 0.0, DWELL - 1, 11.0)
     assert not c.tick(now + 1, [0] * 8, 8) and c.reason == "measuring"  # too few steps of this busy spell
-    now = run_steps(c, now + 1, 2, 9.9)
+    now = run_steps(c, now + 1, 2, 11.0)
     assert not c.tick(now + 1, [0] * 8, 8) and c.level == 0, c.reason
     assert f"missed by 0.0 steps' worth of it at level 0; a rise at {DEBT:g}" in c.reason, c.reason
-    now = run_steps(c, now + 1, 30, 9.9)  # 30 steps 10% over: 3 steps' worth
-    assert not c.tick(now + 1, [0] * 8, 8) and "missed by 3.0 steps' worth" in c.reason, c.reason
-    now = run_steps(c, now + 1, 11, 9.9)
-    assert c.tick(now + 1, [0] * 8, 8) and "missed by 4.1 steps' worth of it at level 0" in c.reason, c.reason
-    want = next(j for j, k in enumerate(ladder(L)) if 9.9 * m([k] * 8) / m([0] * 8) <= DOWN * 10.0)
-    assert 0 < c.level == want and "over 0.9 x target" in c.reason, c.reason  # the lowest predicted in the band
-    # the new level's steps between DOWN and GUARD x target: inside the hysteresis band, it holds
+    now = run_steps(c, now + 1, 70, 11.0)  # 70 steps 10% over: 7 steps' worth
+    assert not c.tick(now + 1, [0] * 8, 8) and "missed by 7.0 steps' worth" in c.reason, c.reason
+    now = run_steps(c, now + 1, 11, 11.0)
+    assert c.tick(now + 1, [0] * 8, 8) and "missed by 8.1 steps' worth of it at level 0" in c.reason, c.reason
+    want = next(j for j, k in enumerate(ladder(L)) if 11.0 * m([k] * 8) / m([0] * 8) <= DOWN * 10.0)
+    assert 0 < c.level == want and "over target" in c.reason, c.reason  # the lowest predicted in the band
+    # the new level's steps just under the target: inside the hysteresis band, it holds
     k = ladder(L)[want]
-    now = run_steps(c, now + 1, DWELL - 1, 8.9, [k] * 8)
+    now = run_steps(c, now + 1, DWELL - 1, 9.9, [k] * 8)
     assert not c.tick(now + 1, [k] * 8, 8) and c.reason == "measuring"  # too few steps at the new level
-    now = run_steps(c, now + 1, 2, 8.9, [k] * 8)
+    now = run_steps(c, now + 1, 2, 9.9, [k] * 8)
     assert not c.tick(now + 1, [k] * 8, 8) and c.level == want and "holding (" in c.reason, c.reason
     # the load goes down to 2 running: once a stream's length of steps at the level is light enough, it
     # falls straight to level 0, predicted well under the target
@@ -111,15 +107,12 @@ def test_rule_rises_under_load_holds_in_the_band_and_falls_when_load_goes():
     assert not c2.steps and c2.observed() == seen  # idle drops the steps, reports the last
 
 
-def test_a_fall_is_judged_on_the_levels_own_steps_and_the_load_served_and_goes_to_the_lowest_level_that_fits():
-    """At the top, bursts of 24 rows (steps cost `truth`: 4 ms, a row 1 ms less 0.25 per layer of budget)
-    would run over the band at the level below: it holds. A lull of a stream's length of one-row steps right
-    after them prices level 0 at 5 ms, well within the band, but the load served over the last LOAD_S (W
-    rows a ms) would hold n = W x step rows: level 0 is not predicted within the band there, level 2 is;
-    once the burst has left the last LOAD_S, a lull takes it straight down to level 0, however many levels
-    below (4 ms + TAIL x what W = 1 row / 4.5 ms adds at 1 ms a row: 5.7 ms; a burst coming back runs up
-    its debt there)."""
-    c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), step_model(), now=0.0)
+def test_a_fall_is_judged_on_the_levels_own_steps_and_goes_to_the_lowest_level_that_fits():
+    """At the top, bursts of 16 rows (steps cost `truth`) would run over the target at the level below:
+    it holds; a lull of a stream's length of one-row steps after them takes it straight down to the lowest
+    level predicted within the band, however many levels below (a burst coming back runs up its debt
+    there)."""
+    c = Controller(Target(tpot_ms=6.0, period_s=0.5), ladder(L), step_model(), now=0.0)
     rng = random.Random(3)
     for _ in range(LEARN):  # an earlier busy spell at every depth taught the saving: 0.25 ms
         b = [rng.randint(0, L) for _ in range(rng.randint(1, 16))]
@@ -127,27 +120,18 @@ def test_a_fall_is_judged_on_the_levels_own_steps_and_the_load_served_and_goes_t
     c.saving.new_episode()
     now = run_steps(c, 0.0, STREAM, truth([0] * 8))
     c._set(L, "the load put it at the top", now)
-    now = run_steps(c, now + 1, HISTORY, truth([L] * 24), [L] * 24)
-    assert not c.tick(now + 1, [L] * 24, 0) and c.level == L and c.reason.startswith("holding ("), c.reason
+    now = run_steps(c, now + 1, HISTORY, truth([L] * 16), [L] * 16)
+    assert not c.tick(now + 1, [L] * 16, 0) and c.level == L and c.reason.startswith("holding ("), c.reason
     now = run_steps(c, now + 1, STREAM, truth([L]), [L])
-    steady = c.steady(c.saving.value, list(c.steps)[-STREAM:])
-    assert steady[1] > DOWN * 10.0 and steady[2] <= DOWN * 10.0, steady
-    assert c.estimates(c.saving.value, list(c.steps)[-STREAM:])[0] == pytest.approx(5.0, rel=0.02)
-    assert c.tick(now + 1, [L], 0) and c.level == 2, c.reason
-    assert f"level 2 predicted at {steady[2]:.1f} ms over the {STREAM} steps at level {L}" in c.reason
-    now = run_steps(c, now + LOAD_S, STREAM, truth([2]), [2])  # the burst's steps left the load
-    assert c.tick(now + 1, [2], 0) and c.level == 0, c.reason
-    steady = 4.0 + TAIL * (4.0 / (1 - 1 / 4.5) - 4.0)  # 1 row a 4.5 ms at level 2
-    assert c.steady(c.saving.value, list(c.steps)[-STREAM:])[0] == pytest.approx(steady, rel=0.02)
-    want = f"level 0 predicted at {steady:.1f} ms over the {STREAM} steps at level 2, within {DOWN:g} x"
-    assert want in c.reason, c.reason
+    assert c.tick(now + 1, [L], 0) and c.level == 0, c.reason  # one row at level 0: 5 ms, within 5.1
+    assert f"level 0 predicted at 5.0 ms over the {STREAM} steps at level {L}, within {DOWN:g} x" in c.reason, c.reason
 
 
 def test_a_miss_rises_by_how_far_and_how_long_over_a_burst_or_a_swing_around_the_target_does_not():
-    """The debt: a tick adds the steps since the last one times est_c's excess over GUARD x the target (g),
-    a tick under it pays back. Ticks every DWELL steps (est_c given): 30% over g rises at the second tick, 15%
-    over at the third; a swing between 20% over and 20% under holds; 20% over with a dip under now and then
-    rises (a rule that restarted its wait at each dip held level 0 through such a miss); a short burst 20%
+    """The debt: a tick adds the steps since the last one times est_c's excess over the target, a tick
+    under it pays back. Ticks every DWELL steps (est_c given): 25% over rises at the third tick, 12.5% over
+    at the fifth; a swing between 25% over and 25% under holds; 25% over with a dip under now and then
+    rises (a rule that restarted its wait at each dip held level 0 through such a miss); a short burst 25%
     over, then under, holds; one over SURGE x the target rises at the first decision."""
     def rises_at(pattern, ticks=12):
         c = Controller(Target(tpot_ms=8.0, period_s=0.5), ladder(L), step_model(), now=0.0)
@@ -162,13 +146,12 @@ def test_a_miss_rises_by_how_far_and_how_long_over_a_burst_or_a_swing_around_the
         assert c.level == 0 and "holding" in c.reason, c.reason
         return None, 0, c.reason
 
-    g = GUARD * 8.0
-    tick, level, why = rises_at([1.3 * g])
-    assert (tick, level) == (2, 1) and "missed by 4.8 steps' worth of it at level 0" in why, why
-    assert rises_at([1.15 * g])[0] == 3
-    assert rises_at([1.2 * g, 0.8 * g])[0] is None
-    assert rises_at([1.2 * g, 1.2 * g, 0.8 * g])[0] == 5
-    assert rises_at([1.2 * g] * 2 + [0.8 * g] * 4, ticks=6)[0] is None
+    tick, level, why = rises_at([10.0])
+    assert (tick, level) == (3, 1) and f"missed by {DEBT:.1f} steps' worth of it at level 0" in why, why
+    assert rises_at([9.0])[0] == 5
+    assert rises_at([10.0, 6.0])[0] is None
+    assert rises_at([10.0, 10.0, 6.0])[0] == 5
+    assert rises_at([10.0] * 2 + [6.0] * 4, ticks=6)[0] is None
     c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), step_model(), now=0.0)
     now = run_steps(c, 0.0, DWELL, 1.05 * SURGE * 10.0)
     assert c.tick(now + 1, [0] * 8, 0) and c.level > 0 and f"over {SURGE:g} x target" in c.reason, c.reason
@@ -226,7 +209,7 @@ def test_rule_judges_a_streams_length_of_steps_so_one_prefill_does_not_raise_it(
     for i in range(STREAM):
         now += (60.0 if i % 4 == 0 else 6.0) / 1e3
         c.decode_step(now, [0] * 8)
-    assert c.tick(now + 1, [0] * 8, 2) and c.level > 0 and "over 0.9 x target" in c.reason, c.reason
+    assert c.tick(now + 1, [0] * 8, 2) and c.level > 0 and "over target" in c.reason, c.reason
 
 
 def test_stream_p90_is_the_p90_of_the_means_of_stream_long_runs():
@@ -238,21 +221,21 @@ def test_stream_p90_is_the_p90_of_the_means_of_stream_long_runs():
 
 def test_rule_prices_the_batches_the_steps_ran_until_a_row_cost_is_measured_then_the_batch_of_the_moment():
     """Steps of 4 rows at 8 ms meet a 10 ms target: with every step of one size, what a row costs is not
-    measured, and the level stays 0 whatever the running count at the tick; steps of 12 rows at 9.5 ms miss
-    GUARD x it, and it rises to the lowest level whose price for those 12-row steps is within the band under the
+    measured, and the level stays 0 whatever the running count at the tick; steps of 12 rows at 11 ms miss
+    it, and it rises to the lowest level whose price for those 12-row steps is within the band under the
     target. Once steps of several sizes ran (4 rows 6 ms, 8 rows 8 ms: 0.5 ms a row), a tick prices the
-    batch running and queued now: 16 rows, 12 ms, run up the debt at once (one such tick is not enough, two
+    batch running and queued now: 24 rows, 16 ms, run up the debt at once (one such tick is not enough, two
     are; a count back at 8 pays it back)."""
     m = step_model()
     c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), m, now=0.0)
     now = run_steps(c, 0.0, HISTORY, 8.0, [0] * 4)
     assert not c.tick(now + 1, [0] * 40, 30) and c.level == 0 and "holding" in c.reason, c.reason
-    now = run_steps(c, now + 1, HISTORY, 9.5, [0] * 12)
+    now = run_steps(c, now + 1, HISTORY, 11.0, [0] * 12)
     assert not c.tick(now + 1, [0] * 2, 0) and c.level == 0, c.reason  # a miss must run up DEBT
-    now = run_steps(c, now + 1, 20, 9.5, [0] * 12)
+    now = run_steps(c, now + 1, 20, 11.0, [0] * 12)
     assert c.tick(now + 1, [0] * 2, 0)
     est = c.estimates()  # each 12-row step less the calibration's price of skipping (its prior, one depth ran)
-    assert est[0] == pytest.approx(9.5) and est == sorted(est, reverse=True)
+    assert est[0] == pytest.approx(11.0) and est == sorted(est, reverse=True)
     assert 0 < c.level == next(j for j in range(L + 1) if est[j] <= DOWN * 10.0), c.reason
 
     def busy(then_rows):
@@ -264,17 +247,17 @@ def test_rule_prices_the_batches_the_steps_ran_until_a_row_cost_is_measured_then
             c.decode_step(now, [0] * (4 if i % 2 else 8))
         assert not c.tick(now + 1, [0] * 8, 0) and c.level == 0 and "holding (" in c.reason, c.reason
         assert c.saving.row == pytest.approx(0.5) and c.ahead(0.0, 8)[0] == pytest.approx(8.0)
-        for rows in (16, then_rows):
+        for rows in (24, then_rows):
             now = run_steps(c, now + 1, 8, 8.0, [0] * 8)
             if c.tick(now + 1, [0] * (rows - 4), 4):
                 return c
         return c
 
-    c = busy(16)
-    assert c.level > 0 and "TPOT 12.0 ms at level 0" in c.reason, c.reason
-    assert "missed by 5.3 steps' worth" in c.reason and "for the 16 running and queued" in c.reason, c.reason
+    c = busy(24)
+    assert c.level > 0 and "TPOT 16.0 ms at level 0" in c.reason, c.reason
+    assert "missed by 9.6 steps' worth" in c.reason and "for the 24 running and queued" in c.reason, c.reason
     c = busy(8)
-    assert c.level == 0 and "holding (" in c.reason and c.debt == pytest.approx(16 / 9), (c.debt, c.reason)
+    assert c.level == 0 and "holding (" in c.reason and c.debt == pytest.approx(3.2), (c.debt, c.reason)
 
 
 def truth(budgets) -> float:
@@ -366,14 +349,14 @@ def test_back_at_level_0_the_rule_waits_for_the_batch_to_drain_of_rows_admitted_
         c.decode_step(now, b)
     assert not c.tick(now + 1, [0] * 8, 4) and c.reason == "measuring", c.reason
     now = run_steps(c, now + 1, 1, cost([0] * 8))
-    assert c.tick(now + 1, [0] * 8, 4) and c.level == L and "at level 0 over 0.9 x target" in c.reason, c.reason
+    assert c.tick(now + 1, [0] * 8, 4) and c.level == L and "at level 0 over target" in c.reason, c.reason
     assert c.saving.routed == pytest.approx(8.5, rel=0.05) and c.saving.value == pytest.approx(0.25, rel=0.05)
     # a batch that never drains (a long stream admitted at the top): judged after DRAIN steps anyway
     c._set(0, "test", now)
     now = run_steps(c, now + 1, DRAIN - 1, cost([L] + [0] * 7), [L] + [0] * 7)
     assert not c.tick(now + 1, [0] * 8, 4) and c.reason == "measuring", c.reason
     now = run_steps(c, now + 1, 1, cost([L] + [0] * 7), [L] + [0] * 7)
-    assert c.tick(now + 1, [0] * 8, 4) and c.level == L and "at level 0 over 0.9 x target" in c.reason, c.reason
+    assert c.tick(now + 1, [0] * 8, 4) and c.level == L and "at level 0 over target" in c.reason, c.reason
 
 
 def test_rule_learns_what_skipping_saves_where_the_calibration_prices_it_at_nothing():
@@ -384,7 +367,7 @@ def test_rule_learns_what_skipping_saves_where_the_calibration_prices_it_at_noth
     c = Controller(Target(tpot_ms=10.0, period_s=0.5), ladder(L), flat_model(), now=0.0)
     now = run_steps(c, 0.0, DWELL, truth([0] * 8))
     assert not c.tick(now + 1, [0] * 8, 8) and c.level == 0, c.reason
-    n = round(DEBT / (12.0 / (GUARD * 10.0) - 1)) + 1  # 12 ms against 9: a third over for n steps
+    n = round(DEBT / 0.2) + 1  # 12 ms against 10: 20% over for n steps
     now = run_steps(c, now + 1, n, truth([0] * 8))
     assert c.tick(now + 1, [0] * 8, 8) and c.level == L, c.reason
     assert "no level predicted within 0.85 x target: the top" in c.reason, c.reason

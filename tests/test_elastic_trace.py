@@ -38,7 +38,7 @@ def test_a_trace_replays_the_servers_levels_and_a_changed_rule_moves_the_rise(tm
 
     path = tmp_path / "tp0-1.jsonl"
     c = traced(path)
-    now = busy_spell(c, 0.0, 8, 10.2)  # 2.1 steps' worth over GUARD x target a tick once judging: a rise at the 4th
+    now = busy_spell(c, 0.0, 8, 12.5)  # 25% over: 4 steps' worth a tick once it judges, a rise at the fourth
     now = busy_spell(c, now, 2, 5.0)  # light: level 0 throughout
     assert c.level == 0 and "over target" not in c.reason
     lives = read(path)
@@ -48,14 +48,14 @@ def test_a_trace_replays_the_servers_levels_and_a_changed_rule_moves_the_rise(tm
     ticks = [t for t in same if t[1] > 0]
     assert [t[2] for t in same] == [t[3] for t in same], "the server's own rule replays its levels exactly"
     server_rise = next(i for i, t in enumerate(ticks) if t[2] > 0)
-    assert server_rise == 3 and "missed by 4.3 steps' worth" in ticks[server_rise][4], ticks[server_rise]
-    sooner = replay(head, events, DEBT=2)
+    assert server_rise == 3 and f"missed by {DEBT:.1f} steps' worth" in ticks[server_rise][4], ticks[server_rise]
+    sooner = replay(head, events, DEBT=4)
     assert next(i for i, t in enumerate(sooner) if t[3] > 0) < next(i for i, t in enumerate(same) if t[3] > 0)
     never = replay(head, events, DEBT=1000, SURGE=100)
     assert all(t[3] == 0 for t in never) and elastic.DEBT == DEBT and elastic.SURGE != 100, "constants restored"
-    text = report(lives, {"DEBT": 2.0})
+    text = report(lives, {"DEBT": 4.0})
     assert "life 0 spell 0:" in text and "life 0 spell 1:" in text and "spell 2" not in text, text
-    assert "server: a rise in 1 of 2 spells" in text and "replayed (changed: DEBT=2.0): a rise in 1 of 2" in text, text
+    assert "server: a rise in 1 of 2 spells" in text and "replayed (changed: DEBT=4.0): a rise in 1 of 2" in text, text
     assert "; apart from +" in text.splitlines()[0] and "level 0 throughout" in text.splitlines()[1], text
     # a controller made again in the same process appends a second life to the same file
     traced(path, now)

@@ -31,17 +31,11 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     fewer than DWELL steps kept, or DWELL since the level changed -> keep (measuring); at level 0 the
           DWELL steps count once the batch has drained of rows admitted higher (at most DRAIN steps):
           until then the steps show neither level 0 nor what the routed path costs
-    steady_j = a_j + TAIL (a_j / (1 - W r_j) - a_j): the step at level j once the batch settles to the load
-             served over the last LOAD_S seconds (W rows a second), by Little's law (n = W x step) on a step
-             a_j + r_j n (r_j: what a row costs less its saving at level j; a_j: the mean step_j less r_j
-             times its rows), what the batch adds to a_j taken TAIL times (a stream's p90 sits above the
-             mean step as the batch swings); inf where W r_j >= 1 (level j cannot keep up)
     miss_j = max(est_j, ahead_j): what the recent streams saw, or the batch of the moment will cost, at level j
     debt   = the miss run up at level c: each tick adds the decode steps since the last tick times
-             miss_c / (GUARD x tpot) - 1 (a tick under it pays back), never below 0; in steps' worth of
-             GUARD x tpot (a miss by 10% for 40 steps, by 20% for 20, runs up 4)
-    over: miss_c > GUARD x tpot now and debt >= DEBT, or est_c > SURGE * tpot (GUARD: the streams' p90 must
-          stay under the target, so the rule acts before it is reached)
+             miss_c / tpot - 1 (a tick under the target pays back), never below 0; in steps' worth of the
+             target (a miss by 10% for 80 steps, by 20% for 40, runs up 8)
+    over: miss_c > tpot now and debt >= DEBT, or est_c > SURGE * tpot
           -> the lowest level above c with miss_j <= DOWN * tpot (inside the band, so the
           next period does not fall straight back, and with a margin for the estimate); if none, the
           top (the most the skipper can give; its measured steps then teach the saving). Over the
@@ -50,10 +44,9 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
           and such verdicts sent RandomSkip 0.5 to level 0 under loads where its top ran faster; a
           skipper that saves nothing costs its quality only while the target is missed anyway
     over: p90 TTFT > ttft -> c + 1
-    under: the lowest level j below c with max(miss_j, steady_j) <= DOWN * tpot (and p90 TTFT <= DOWN * ttft),
-          judged over the last STREAM steps, once that many ran at c (the streams of the moment) -> j (the gap
-          between GUARD and DOWN is the hysteresis; straight to the level that fits, not one at a time; steady_j
-          keeps a lull between bursts from taking it down while the load served says the bursts go on)
+    under: the lowest level j below c with miss_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft), judged over
+          the last STREAM steps, once that many ran at c (the streams of the moment) -> j (the gap between 1 and
+          DOWN is the hysteresis; straight to the level that fits, not one at a time)
     else keep.
 Up on the miss the streams have run up, down as soon as a stream's length of steps says a lower level fits.
 Near the knee the estimate runs over the target in bursts of tens of seconds (arrivals, or a busy neighbour
@@ -64,11 +57,10 @@ batch over a stream's lifetime, so a rise must come within seconds of a burst th
 soon as it is over, and a short or slight miss must not raise it: the debt weighs a miss by how far over
 and how long (a wait for a fixed share of a fixed span came after the bursts that set a step's p90, and a
 rise on the first miss with a fall only after several streams' lengths at the level skipped far more than
-the load needed: docs/architecture.md). Falls go straight to the level that fits, judged over the steps of
-the level alone and the load served over the last LOAD_S: a lull of a few seconds between bursts prices level
-0 within the band (falls came in such lulls, and the burst that came back began at level 0 again), the rows
-served a second over a minute do not. A miss over SURGE times the target rises at the first decision. The
-first decision of a busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
+the load needed: docs/architecture.md). Falls go straight to the level that fits, judged
+over the steps of the level alone: a lull between bursts may take it down, and the next burst runs up
+its debt again. A miss over SURGE times the target rises at the first decision. The first decision of a
+busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
 Steps are judged over a stream's length: one step carrying a new request's prefill is several times a
 decode step, so a rule that read a few steps' p90 swung between level 0 and the top. The running count
 moves with every arrival, and a rule that priced it alone swung too; but the steps alone see a burst only
@@ -98,8 +90,7 @@ DWELL = 16  # decode steps at a new level (or of a new busy spell) before the ru
 STREAM = 32  # decode steps a stream's TPOT is judged over (a typical answer's length)
 DRAIN = 4 * STREAM  # at level 0, decode steps the rule waits at most for DWELL steps of a drained batch
 HISTORY = 2 * STREAM  # decode steps kept: est_j is judged over them
-GUARD = 0.9  # a level misses when its streams' p90 is predicted over this share of the target
-DEBT = 4.0  # steps' worth of GUARD x target the streams must have missed it by at a level before a rise ...
+DEBT = 8.0  # steps' worth of the target the streams must have missed it by at a level before a rise ...
 SURGE = 1.5  # ... unless they miss it by this factor: then at once
 WINDOW = 64  # first-token times kept
 DOWN = 0.85  # a level is moved to (down, or up short of the top) only if predicted within this share of the target
@@ -107,8 +98,6 @@ LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across 
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
 SURE = 2.0  # standard errors: what running the routed path costs (d) counts only this far above 0
-LOAD_S = 60.0  # seconds of decode steps the load (rows served per second) is judged over for a fall
-TAIL = 1.5  # how far a stream's p90 TPOT sits above the mean step near the knee, as a share of what queueing adds
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -296,7 +285,6 @@ class Controller:
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
         self.steps: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B) of each step
-        self.served: deque[tuple[float, int]] = deque()  # (end, rows) of the decode steps of the last LOAD_S
         self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed (at level 0: since the batch drained of skipping rows)
         self.count = 0  # decode steps timed
@@ -327,9 +315,6 @@ class Controller:
             if self.level > 0 or not any(budgets):
                 self.fresh += 1
             self.drain += 1
-            self.served.append((now, len(budgets)))
-            while self.served[0][0] < now - LOAD_S:
-                self.served.popleft()
         self.last_step, self.prefilled = now, False
 
     def prefill(self) -> None:
@@ -391,22 +376,6 @@ class Controller:
         means = [sum(self._priced(steps, s, k)) / len(steps) for k in self.budgets]
         return [max(FLOOR * m, m + (n - T) * max(0.0, self.saving.row - s * k)) for m, k in zip(means, self.budgets)]
 
-    def steady(self, s: float, steps) -> list[float]:
-        """steady_j of every level (ms, the module's docstring): `steps` priced at level j, at the batch the
-        rows served a second over the last LOAD_S settle to (Little's law); inf if j cannot keep up."""
-        if len(self.served) < 2 or not steps:
-            return [0.0] * len(self.budgets)
-        span = self.served[-1][0] - self.served[0][0]
-        W = sum(t for _, t in list(self.served)[1:]) / max(span, 1e-9) / 1e3  # rows per ms
-        T = sum(t for _, t, _ in steps) / len(steps)
-        out = []
-        for k in self.budgets:
-            r = max(0.0, self.saving.row - s * k)
-            m = sum(self._priced(steps, s, k)) / len(steps)
-            a = max(FLOOR * m, m - r * T)
-            out.append(math.inf if W * r >= 1 else a + TAIL * (a / (1 - W * r) - a))
-        return out
-
     def tick(self, now: float, running: list[int], waiting: int) -> bool:
         """running: budgets of the running requests. Returns whether the level changed."""
         n = len(running) + waiting
@@ -416,7 +385,6 @@ class Controller:
             if self.steps:  # the load went; what it measured says nothing about the next
                 self.last_seen = self.observed()
                 self.steps.clear()
-                self.served.clear()
                 self.saving.new_episode()
             self.debt, self.judged = 0.0, None
             return self._set(0, "idle", now)
@@ -437,7 +405,7 @@ class Controller:
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(est)) + f" ms, for the {n} running and queued "
                 + " ".join(f"{j}:{e:.0f}" for j, e in enumerate(ahead)) + " ms; " + self.describe_saving())
         miss = max(est[c], ahead[c])
-        over = miss > GUARD * t.tpot_ms
+        over = miss > t.tpot_ms
         debt = self._owe(miss)
         missed = f"missed by {debt:.1f} steps' worth of it at level {c}"
         if over and (debt >= DEBT or est[c] > SURGE * t.tpot_ms):
@@ -445,14 +413,13 @@ class Controller:
             j, why = ((fits[0], "") if fits else
                       (self.top, f", no level predicted within {DOWN:g} x target: the top"))
             how = missed if debt >= DEBT else f"over {SURGE:g} x target"
-            return self._set(j, f"TPOT {miss:.1f} ms at level {c} over {GUARD:g} x target {t.tpot_ms:g} ms{why} "
+            return self._set(j, f"TPOT {miss:.1f} ms at level {c} over target {t.tpot_ms:g} ms{why} "
                                 f"({how}; {load})", now)
         if ttft_over and c < self.top:
             return self._set(c + 1, f"TTFT p90 {ttft:.0f} ms over target {t.ttft_ms:g} ms ({load})", now)
         if c > 0 and ttft_under:  # judged over the level's own steps: the last STREAM (or the DWELL and more run)
             since = list(self.steps)[-min(self.fresh, STREAM):]
-            low = [max(e, a, w) for e, a, w in zip(self.estimates(s, since), self.ahead(s, n, since),
-                                                    self.steady(s, since))]
+            low = [max(e, a) for e, a in zip(self.estimates(s, since), self.ahead(s, n, since))]
             if low[c - 1] <= DOWN * t.tpot_ms:
                 j = next(j for j in range(c) if low[j] <= DOWN * t.tpot_ms)
                 if self.fresh < STREAM:
@@ -462,15 +429,15 @@ class Controller:
                 return self._set(j, f"level {j} predicted at {low[j]:.1f} ms over the {len(since)} steps at level "
                                     f"{c}, within {DOWN:g} x target {t.tpot_ms:g} ms ({load})", now)
         if over:
-            return self._set(c, f"holding: TPOT {miss:.1f} ms at level {c} over {GUARD:g} x target {t.tpot_ms:g} ms, "
-                                f"{missed}; a rise at {DEBT:g} ({load})", now)
+            return self._set(c, f"holding: TPOT {miss:.1f} ms at level {c} over target {t.tpot_ms:g} ms, {missed}; "
+                                f"a rise at {DEBT:g} ({load})", now)
         return self._set(c, f"holding ({load})", now)
 
     def _owe(self, est: float) -> float:
-        """Add this tick's miss to the debt (the decode steps since the last tick times miss_c's excess over
-        GUARD x target, as a share of it; under it, it pays back, to 0 at most); returns the debt."""
+        """Add this tick's miss to the debt (the decode steps since the last tick times miss_c's excess over the
+        target, a share of it; under the target it pays back, to 0 at most); returns the debt."""
         if self.judged is not None:
-            self.debt = max(0.0, self.debt + (self.count - self.judged) * (est / (GUARD * self.target.tpot_ms) - 1.0))
+            self.debt = max(0.0, self.debt + (self.count - self.judged) * (est / self.target.tpot_ms - 1.0))
         self.judged = self.count
         return self.debt
 

@@ -85,7 +85,7 @@ def controller(head: dict) -> Controller:
 
 def replay(head: dict, events: list, **constants) -> list[tuple[float, int, int, int, str]]:
     """Every tick of `events` replayed through a fresh controller under vskipper.elastic's constants
-    changed by `constants` (e.g. DEBT=2; restored after): (time, rows running and queued, the level the
+    changed by `constants` (e.g. DEBT=4; restored after): (time, rows running and queued, the level the
     server had after it, the replayed level, the replayed reason). The events are the server's: its
     steps ran at its levels, so once the replayed level differs the replay says what the rule would have
     decided from those steps, not what would then have run."""

@@ -1,7 +1,7 @@
 """Replay elastic depth's rule over a traced server's events (vskipper/elastic_trace.py): when would the rule,
 its constants changed, have moved the level in each busy spell? Minutes, where a ramp takes an hour and a half.
 
-    python -m benchmarks.serving.elastic_replay out/elastic-ramp/traces/random --set DEBT=2
+    python -m benchmarks.serving.elastic_replay out/elastic-ramp/traces/random --set DEBT=4
 
 For every busy spell (ticks with rows running or queued, between idle ones) of every controller life in the
 trace files (a directory: its tp0-*.jsonl, the ranks that decide): the server's level changes and the
@@ -83,7 +83,7 @@ def main() -> None:
         except ValueError:
             eq = ""
         if not eq:
-            ap.error(f"--set {item!r}: give NAME=NUMBER, e.g. DEBT=2")
+            ap.error(f"--set {item!r}: give NAME=NUMBER, e.g. DEBT=4")
     missing = [str(p) for p in args.trace if not p.exists()]
     if missing:
         ap.error(f"no such trace file or directory: {', '.join(missing)}")
