@@ -46,10 +46,7 @@ The rule, once per control period (`Target.period_s`), from what the scheduler k
     over: p90 TTFT > ttft -> c + 1
     under: the lowest level j below c with miss_j <= DOWN * tpot (and p90 TTFT <= DOWN * ttft), judged over
           the last STREAM steps, once that many ran at c (the streams of the moment) -> j (the gap between 1 and
-          DOWN is the hysteresis; straight to the level that fits, not one at a time); but not to a j whose
-          last_j > tpot while last_c < FASTER * last_j, where last_j is est_j over the decode steps of the last
-          LOAD_S seconds: a lull between bursts does not take it down while the minute's streams would have
-          missed at j and c runs them faster (a level that saves nothing holds nothing)
+          DOWN is the hysteresis; straight to the level that fits, not one at a time)
     else keep.
 Up on the miss the streams have run up, down as soon as a stream's length of steps says a lower level fits.
 Near the knee the estimate runs over the target in bursts of tens of seconds (arrivals, or a busy neighbour
@@ -61,11 +58,9 @@ soon as it is over, and a short or slight miss must not raise it: the debt weigh
 and how long (a wait for a fixed share of a fixed span came after the bursts that set a step's p90, and a
 rise on the first miss with a fall only after several streams' lengths at the level skipped far more than
 the load needed: docs/architecture.md). Falls go straight to the level that fits, judged
-over the steps of the level alone, unless the last minute's streams would have missed at that level: a
-fall in a lull of a few seconds between bursts lost the measured minute (the burst that came back began at
-level 0 again), so the lull must be the load's, not a gap in it. A miss over SURGE times the target rises
-at the first decision. The first decision of a busy spell comes after DWELL steps (a few seconds), its
-estimate the mean of the steps so far.
+over the steps of the level alone: a lull between bursts may take it down, and the next burst runs up
+its debt again. A miss over SURGE times the target rises at the first decision. The first decision of a
+busy spell comes after DWELL steps (a few seconds), its estimate the mean of the steps so far.
 Steps are judged over a stream's length: one step carrying a new request's prefill is several times a
 decode step, so a rule that read a few steps' p90 swung between level 0 and the top. The running count
 moves with every arrival, and a rule that priced it alone swung too; but the steps alone see a burst only
@@ -103,8 +98,6 @@ LEARN = 512  # prefill-free decode steps the saving is fitted over (kept across 
 PRIOR = 1  # steps' worth of weight on the calibration's saving, at budget sums spanning the ladder
 FLOOR = 0.25  # a step priced at any level keeps at least this share of its measured time
 SURE = 2.0  # standard errors: what running the routed path costs (d) counts only this far above 0
-LOAD_S = 60.0  # seconds of decode steps a fall is judged over too (last_j)
-FASTER = 0.95  # a fall is held back only by a level whose streams ran at most this share of the lower one's
 
 
 def parse_ms(name: str, value) -> float | None:
@@ -292,7 +285,6 @@ class Controller:
         self.level = 0
         self.reason = "measuring" if model is not None else "no cost calibration: level 0"
         self.steps: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)  # (ms, T, B) of each step
-        self.minute: deque[tuple[float, float, int, int]] = deque()  # (end, ms, T, B) of the last LOAD_S's steps
         self.saving = Saving(model, budgets[-1])
         self.fresh = 0  # decode steps since the level changed (at level 0: since the batch drained of skipping rows)
         self.count = 0  # decode steps timed
@@ -316,9 +308,6 @@ class Controller:
         if self.last_step is not None:
             ms = (now - self.last_step) * 1e3
             self.steps.append((ms, len(budgets), sum(budgets)))
-            self.minute.append((now, ms, len(budgets), sum(budgets)))
-            while self.minute[0][0] < now - LOAD_S:
-                self.minute.popleft()
             self.count += 1
             if not (prefill or self.prefilled):
                 self.saving.add(ms, budgets, context)
@@ -396,7 +385,6 @@ class Controller:
             if self.steps:  # the load went; what it measured says nothing about the next
                 self.last_seen = self.observed()
                 self.steps.clear()
-                self.minute.clear()
                 self.saving.new_episode()
             self.debt, self.judged = 0.0, None
             return self._set(0, "idle", now)
@@ -433,16 +421,7 @@ class Controller:
             since = list(self.steps)[-min(self.fresh, STREAM):]
             low = [max(e, a) for e, a in zip(self.estimates(s, since), self.ahead(s, n, since))]
             if low[c - 1] <= DOWN * t.tpot_ms:
-                last = self.estimates(s, [step for _, *step in self.minute])
-                fits = [j for j in range(c) if low[j] <= DOWN * t.tpot_ms]
-                held = [j for j in fits if last[j] > t.tpot_ms and last[c] < FASTER * last[j]]
-                if len(held) == len(fits):
-                    j = fits[0]
-                    return self._set(c, f"holding: level {j} predicted at {low[j]:.1f} ms over the last {len(since)} "
-                                        f"steps, but the streams of the last {LOAD_S:g} s at {last[j]:.1f} ms there, "
-                                        f"over target {t.tpot_ms:g} ms, and at {last[c]:.1f} ms at level {c} ({load})",
-                                     now)
-                j = next(j for j in fits if j not in held)
+                j = next(j for j in range(c) if low[j] <= DOWN * t.tpot_ms)
                 if self.fresh < STREAM:
                     return self._set(c, f"holding: level {j} predicted at {low[j]:.1f} ms, within {DOWN:g} x "
                                         f"target, after {self.fresh} of the {STREAM} steps at level {c} a fall "

@@ -58,7 +58,7 @@ from benchmarks.serving.report import prefix_share
 from benchmarks.serving.servers import SERVER_THREADS, System, start_all, stop
 
 STEPS = (0.25, 0.5, 0.75, 1.0, 1.1, 1.25, 1.5)  # multiples of R, upstream's highest rate meeting the target
-KNEE, MARGIN = 0.6, 1.2  # --tpot-ms auto: MARGIN x upstream's p90 TPOT at KNEE x its saturated capacity
+KNEE, MARGIN = 0.7, 1.2  # --tpot-ms auto: MARGIN x upstream's p90 TPOT at KNEE x its saturated capacity
 # of upstream's capacity, req/s: R is as fine as this grid. It runs past 1: the capacity is measured
 # with a burst of requests all at once, and a server fed at a steady rate met the target above it.
 SEARCH = tuple(round(0.1 * i, 1) for i in range(2, 21))
