@@ -1,5 +1,5 @@
 """The servers `vskipper eval` talks to: one given by URL, or one it starts as `vskipper serve` would
-(vskipper/cli.py's serve_command: same defaults, same validation) and stops when done.
+(vskipper/serve.py's serve_command: same defaults, same validation) and stops when done.
 
     EvalError    bad input or an unreachable server: one line for the user, no traceback
     root_url     http://HOST:PORT from what the user typed (a trailing /v1 or / is dropped)
@@ -206,7 +206,7 @@ def launch_server(name: str, *, model_path: str | None, skipper: str | None, exe
     """`vskipper serve` with these options on 127.0.0.1 and a free port, as a subprocess in its own
     process group (its output in LOG_DIR/server-NAME.log); returns at once (Server.wait_ready waits).
     Bad options fail here, before SGLang starts, as they do for `vskipper serve`."""
-    from vskipper.cli import serve_command
+    from vskipper.serve import serve_command
 
     extra = shlex.split(sglang_args or "")
     if any(a == "--port" or a.startswith("--port=") for a in extra):
