@@ -60,6 +60,16 @@ class HFAttention(AttentionPart):
     def is_decode(self, x, ctx) -> bool:
         return x.shape[1] == 1
 
+    def resident_tokens(self, x, ctx) -> int:
+        """B times the key length of the layer's mask [B or 1, 1, S, Skv] (a static cache: its
+        capacity, which its attention reads masked), or of the cache when there is no mask."""
+        mask = ctx.get("attention_mask")
+        if torch.is_tensor(mask) and mask.dim() == 4:
+            return x.shape[0] * mask.shape[-1]
+        cache = ctx.get("past_key_values")
+        past = cache.get_seq_length(self.attn.layer_idx) if cache is not None else 0
+        return x.shape[0] * (int(past) + x.shape[1])
+
     def _proj(self, proj, norm, x, B, S):
         t = proj(x).view(B, S, -1, self.attn.head_dim)
         return (norm(t) if norm is not None else t).transpose(1, 2)  # [B, heads, S, d]

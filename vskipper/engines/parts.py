@@ -9,6 +9,7 @@ still feeds later tokens' attention); they differ in which rows get an attention
     attend_masked(x, run, ctx, impl, tuned)
                                     -> [T, H]    the rows with `run` set, fixed shapes, no host sync
                                                  at decode (CUDA graphs); other rows hold zeros
+    resident_tokens(x, ctx)         -> int       the K/V positions the step's rows attend, summed (host)
 
 `masks_rows` says whether the engine has a real `attend_masked`; where it does not (transformers
 runs eagerly, with no graph to keep static) the fixed-shape routed body runs attention for every
@@ -35,6 +36,12 @@ class AttentionPart(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has no fixed-shape masked attention (masks_rows=False)")
 
     def is_decode(self, x: torch.Tensor, ctx: dict) -> bool:
+        raise NotImplementedError
+
+    def resident_tokens(self, x: torch.Tensor, ctx: dict) -> int:
+        """The K/V positions this step's rows attend in all (their contexts summed), read on the host
+        from shapes or host-side lengths, never from the device: what a decode step's attention reads,
+        and what a skipped row does not."""
         raise NotImplementedError
 
 

@@ -94,6 +94,10 @@ class SGLangAttention(AttentionPart):
     def is_decode(self, x, ctx) -> bool:
         return ctx["forward_batch"].forward_mode.is_decode()
 
+    def resident_tokens(self, x, ctx) -> int:
+        """The batch's sequence lengths summed, as SGLang keeps them on the host (`seq_lens_sum`)."""
+        return int(ctx["forward_batch"].seq_lens_sum)
+
     def _prepare_rows(self, positions, x, rows):
         """forward_prepare_native's (q, k, v) with the query projected for `rows` only (zeros
         elsewhere, which no attention reads): K and V of every row, as SGLang computes them. The
