@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from vskipper import ops
 from vskipper.skippers.base import project_value, run_value
+from vskipper.triton_kernels import cache_decode_attention as CA
 from vskipper.triton_kernels import grouped_swiglu as GS
 from vskipper.triton_kernels import masked_decode_attention as MA
 from vskipper.triton_kernels import route_maps as RM
@@ -104,6 +105,21 @@ def spec_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_le
             k, v = k_buffer[slots, h // G].float(), v_buffer[slots, h // G].float()  # [L, d]
             p = torch.softmax((q[b, h].float() @ k.T) * sm_scale, dim=0)
             o[b, h] = p @ v
+    return o.to(q.dtype)
+
+
+def spec_cache_attention(q, k_cache, v_cache, attended, run_mask, sm_scale):
+    """Row b, head h attends the positions p of its own cache [b, h // G] where attended[b or 0, p]."""
+    B, nh, d = q.shape
+    G, L = nh // k_cache.shape[1], k_cache.shape[2]
+    o = torch.zeros(B, nh, d, dtype=torch.float32)
+    for b in range(B):
+        keep = torch.ones(L, dtype=torch.bool) if attended is None else attended[b if attended.shape[0] > 1 else 0]
+        if not run_mask[b] or not keep.any():
+            continue
+        for h in range(nh):
+            k, v = k_cache[b, h // G][keep].float(), v_cache[b, h // G][keep].float()  # [n, d]
+            o[b, h] = torch.softmax((q[b, h].float() @ k.T) * sm_scale, dim=0) @ v
     return o.to(q.dtype)
 
 
@@ -278,6 +294,47 @@ def test_masked_decode_attention_zero_length_row_is_zero():
         o = fn(*args)
         assert_equal(o[0], torch.zeros_like(o[0]), fn.__qualname__)
         assert torch.isfinite(o).all()
+
+
+# --- cache_decode_attention --------------------------------------------------------------------
+@st.composite
+def cache_batches(draw):
+    """Decode rows over a contiguous cache [B, kvh, L, d]: masks with holes, left padding, a row that
+    attends nothing, a mask broadcast over the batch, or none; strided query and run mask."""
+    B = draw(st.one_of(st.sampled_from([0, 1]), st.integers(0, 5)))
+    kvh = draw(st.sampled_from([1, 2, 3]))
+    G = draw(st.sampled_from([1, 2, 4, 5]))
+    d = draw(st.sampled_from([1, 10, 16, 64]))
+    L = draw(st.sampled_from([1, 7, 40, 130, 200]))
+    mask = draw(st.sampled_from(["none", "holes", "left_pad", "broadcast", "empty_row"]))
+    kind = draw(st.sampled_from(["all", "none", "mixed"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = randn(B, G * kvh, d + 3, dtype=dtype, g=g)[..., :d] if draw(st.booleans()) else \
+        randn(B, G * kvh, d, dtype=dtype, g=g)
+    k, v = randn(B, kvh, L, d, dtype=dtype, g=g), randn(B, kvh, L, d, dtype=dtype, g=g)
+    attended = {"none": None, "holes": torch.rand(B, L, generator=g) < 0.6,
+                "left_pad": torch.arange(L)[None, :] >= torch.randint(0, L, (B, 1), generator=g),
+                "broadcast": torch.rand(1, L, generator=g) < 0.5 if L > 1 else torch.ones(1, 1, dtype=torch.bool),
+                "empty_row": torch.arange(B)[:, None].expand(B, L) > 0}[mask]
+    run = {"all": torch.ones(2 * B, dtype=torch.bool), "none": torch.zeros(2 * B, dtype=torch.bool),
+           "mixed": torch.rand(2 * B, generator=g) < 0.6}[kind][::2]  # strided, as a sublayer's column
+    return q, k, v, None if attended is None else attended.to(DEVICE), run.to(DEVICE), d ** -0.5
+
+
+@FEW
+@given(cache_batches())
+def test_cache_decode_attention(args):
+    ref = CA.torch_op(*args)
+    assert_close(ref.cpu(), spec_cache_attention(*(cpu(a) if torch.is_tensor(a) else a for a in args)),
+                 "reference vs spec")
+    assert_equal(ops.cache_decode_attention(*args, impl="torch"), ref, "public op, torch")
+    if TRITON_RUNS:
+        got = CA.launch(*args)
+        assert_close(got, ref, "kernel vs reference")
+        skipped = ~args[4]
+        assert_equal(got[skipped], torch.zeros_like(got[skipped]), "zeros for skipped rows")
+        assert torch.isfinite(got.float()).all()
 
 
 # --- the torch path at larger shapes -----------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 
 from vskipper import kernel_configs, ops
 from vskipper.calibrate import LayerBench
+from vskipper.triton_kernels import cache_decode_attention as CA
 from vskipper.triton_kernels import grouped_swiglu as GS
 from vskipper.triton_kernels import masked_decode_attention as MA
 from vskipper.triton_kernels import route_maps as RM
@@ -43,7 +44,13 @@ def opcheck_cases():
             torch.randn(P, kvh, d, generator=g), torch.randint(0, P, (B, C), generator=g, dtype=torch.int32),
             torch.arange(B), torch.tensor([1, 12, 5]), torch.tensor([True, False, True]), 0.25)
     n = counts[0:1]
+    cache = (torch.randn(B, nh, d, generator=g), torch.randn(B, kvh, C, d, generator=g),
+             torch.randn(B, kvh, C, d, generator=g), torch.rand(B, C, generator=g) < 0.7,
+             torch.tensor([True, False, True]), 0.25)
     return {
+        "cache_decode_attention": (torch.ops.vskipper.cache_decode_attention.default, cache),
+        "cache_decode_attention_no_mask": (torch.ops.vskipper.cache_decode_attention.default,
+                                           (*cache[:3], None, *cache[4:])),
         "route_maps": (torch.ops.vskipper.route_maps.default, (run, valid)),
         "route_maps_no_valid": (torch.ops.vskipper.route_maps.default, (run, None)),
         "grouped_swiglu_": (torch.ops.vskipper.grouped_swiglu_.default, (h.clone(), h, x, rows, n, wg, wu, wd, None)),
@@ -149,6 +156,12 @@ def _bad_arguments():
         (MA.torch_op, (torch.randn(2, 2, 8, **D), torch.randn(5, 2, 8, **D), torch.randn(5, 2, 8, **D),
                         torch.zeros(2, 3, dtype=torch.int64, **D), torch.arange(2, **D), ones2, one, 1.0),
          r"req_to_token has dtype torch.int64"),
+        (CA.torch_op, (torch.randn(2, 4, 8, **D), torch.randn(2, 2, 5, 8, **D), torch.randn(2, 2, 5, 8, **D),
+                       torch.ones(2, 4, dtype=torch.bool, **D), one, 1.0),
+         r"attended is \[2, 4\], expected \[B or 1, L\] = \[2 or 1, 5\]"),
+        (CA.torch_op, (torch.randn(3, 4, 8, **D), torch.randn(2, 2, 5, 8, **D), torch.randn(2, 2, 5, 8, **D),
+                       None, torch.ones(3, dtype=torch.bool, **D), 1.0),
+         r"k_cache holds 2 sequences but q has B = 3 rows"),
     ]
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 IMPLS = ("torch", "triton")
 
 __all__ = ["IMPLS", "resolve_impl", "route_maps", "grouped_swiglu_", "masked_decode_attention",
-           "masked_decode_attention_dynamic", "routed_prefill_attention"]
+           "masked_decode_attention_dynamic", "cache_decode_attention", "routed_prefill_attention"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -43,7 +43,8 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         impl = "triton" if torch.device(device).type == "cuda" else "torch"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of 'auto', {', '.join(map(repr, IMPLS))}")
-    for name in ("route_maps", "grouped_swiglu", "masked_decode_attention", "routed_prefill_attention"):
+    for name in ("route_maps", "grouped_swiglu", "masked_decode_attention", "cache_decode_attention",
+                 "routed_prefill_attention"):
         _kernels(name)
     return impl
 
@@ -160,6 +161,34 @@ def masked_decode_attention_dynamic(q: Tensor, k_buffer: Tensor, v_buffer: Tenso
     (CPU serving), never inside a CUDA graph."""
     return _kernels("masked_decode_attention").torch_op_dynamic(q, k_buffer, v_buffer, req_to_token,
                                                                  req_pool_indices, seq_lens, run_mask, sm_scale)
+
+
+# --- cache_decode_attention -------------------------------------------------------------------
+@torch.library.custom_op("vskipper::cache_decode_attention", mutates_args=())
+def _cache_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, attended: Optional[Tensor],
+                            run_mask: Tensor, sm_scale: float, tuned: bool = True) -> Tensor:
+    return _kernels("cache_decode_attention").launch(q, k_cache, v_cache, attended, run_mask, sm_scale, tuned)
+
+
+@_cache_decode_attention.register_fake
+def _(q, k_cache, v_cache, attended, run_mask, sm_scale, tuned=True):
+    _kernels("cache_decode_attention").check(q, k_cache, v_cache, attended, run_mask)
+    return q.new_empty(q.shape)
+
+
+def cache_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, attended: Optional[Tensor], run_mask: Tensor,
+                           sm_scale: float, *, impl: str, tuned: bool = True) -> Tensor:
+    """Decode attention for RUN rows over a contiguous per-sequence cache (transformers' layout).
+    q [B, nh, d], k_cache and v_cache [B, kvh, L, d], attended [B or 1, L] bool | None (None: every
+    position), run_mask [B] bool -> o [B, nh, d]. GQA and the f32 softmax as in
+    masked_decode_attention; rows with run_mask False read no K/V and get zeros, and so does a row
+    that attends nothing."""
+    args = (q, k_cache, v_cache, attended, run_mask, float(sm_scale))
+    if impl == "torch":
+        return _kernels("cache_decode_attention").torch_op(*args)
+    if impl == "triton":
+        return _cache_decode_attention(*args, tuned)
+    raise _bad_impl(impl)
 
 
 # --- routed_prefill_attention -----------------------------------------------------------------

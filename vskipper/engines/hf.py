@@ -1,14 +1,16 @@
 """transformers (5.x) attention and MLP parts (the contract: vskipper/engines/parts.py).
 
 The attention part writes K/V of every row through transformers' cache and attends for the RUN
-rows only: at decode per run of consecutive rows, over the cache in place; in prefill per
-sequence, queries of the RUN rows over the layer's own mask. Shapes: B = batch, S = new tokens
+rows only: at decode per run of consecutive rows, over the cache in place (dynamic shapes), or with
+fixed shapes through vskipper's cache_decode_attention, which skipped rows do not read (CUDA graphs);
+in prefill per sequence, queries of the RUN rows over the layer's own mask. Shapes: B = batch, S = new tokens
 per sequence, Skv = cached + new, nh/kvh = heads, d = head dim, n = rows attended."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from vskipper import ops
 from vskipper.engines.parts import AttentionPart, MLPPart
 from vskipper.models.rotary import apply_rope
 
@@ -45,10 +47,25 @@ def _query_rows(mask, B: int, S: int, Skv: int) -> int:
     return int(diag.sum()) * (B // diag.shape[0])
 
 
+def _key_mask(mask, B: int, L: int):
+    """The positions a decode row attends, [B or 1, L] bool, from the layer's mask [B or 1, 1, 1, L]
+    (bool, or additive: 0 where attended and the dtype's minimum elsewhere, as transformers builds it);
+    None: every position (no mask, or the GPU harness's FULL one). False: a mask of another kind."""
+    if mask is None or getattr(mask, "vskipper_full", False):
+        return None
+    if not (torch.is_tensor(mask) and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
+            and mask.shape[0] in (1, B) and mask.shape[3] == L):
+        return False
+    m = mask[:, 0, 0, :]
+    return m if m.dtype == torch.bool else m == 0
+
+
 class HFAttention(AttentionPart):
     """A transformers attention module seen by a routed layer: K/V for all rows, queries for some.
-    No fixed-shape masked form (`masks_rows` False): transformers runs eagerly, with no graph to
-    keep static."""
+    Its fixed-shape masked form (`attend_masked`, decode) attends the cache transformers returns,
+    [B, kvh, L, d], with vskipper's cache_decode_attention: skipped rows read no K/V."""
+
+    masks_rows = True
 
     def __init__(self, attn: nn.Module) -> None:
         super().__init__()
@@ -120,6 +137,46 @@ class HFAttention(AttentionPart):
         q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), x, B, S), cos, sin)
         o = attn.o_proj(attend(q, k, v, mask).reshape(B, S, -1).contiguous())  # [B, S, H]
         return o.reshape(B * S, -1)[rows]
+
+    def attend_masked(self, x, run, ctx, impl, tuned=True):
+        """Attention output [B, S, H], meaningful for rows with `run` [B, S] set; K/V of every row
+        written. Decode (S = 1): fixed shapes, no host sync (CUDA graphs), as SGLang's part does it:
+        q, k, v and the cache update for every row, attention over the cache for the RUN rows only,
+        o_proj over all rows (a skipped row's output is never read). Prefill (never captured): the RUN
+        rows' queries through attend_rows (reads their indices on the host). A sliding-window layer, or a
+        mask this form cannot read, attends every row as the stock module does (the same function)."""
+        attn = self.attn
+        B, S, H = x.shape
+        if S != 1:
+            rows = run.reshape(-1).nonzero().squeeze(1)  # a host read: prefill is never captured
+            a = self.attend_rows(x, rows, ctx)
+            return x.new_zeros(B * S, H).index_copy_(0, rows, a).view(B, S, H)
+        cache = ctx.get("past_key_values")
+        if getattr(attn, "sliding_window", None) is not None:
+            return self.attend_all(x, ctx)
+        cos, sin = ctx["position_embeddings"]  # [B or 1, 1, d]
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+        q = _rope(self._proj(attn.q_proj, getattr(attn, "q_norm", None), x, B, 1), cos, sin)  # [B, nh, 1, d]
+        k = _rope(self._proj(attn.k_proj, getattr(attn, "k_norm", None), x, B, 1), cos, sin)
+        v = self._proj(attn.v_proj, None, x, B, 1)
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx)  # [B, kvh, L, d]
+        attended = _key_mask(ctx.get("attention_mask"), B, k.shape[2])
+        if attended is False:  # e.g. a flex-attention BlockMask: the stock call on what we computed
+            return self._attend_stock(q, k, v, ctx.get("attention_mask"), B)
+        o = ops.cache_decode_attention(q[:, :, 0], k, v, attended, run.reshape(B), attn.scaling, impl=impl,
+                                       tuned=tuned)  # [B, nh, d], zeros off `run`
+        return attn.o_proj(o.reshape(B, 1, -1))
+
+    def _attend_stock(self, q, k, v, mask, B):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attn = self.attn
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+        if fn is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        o = fn(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)[0]  # [B, 1, nh, d]
+        return attn.o_proj(o.reshape(B, 1, -1).contiguous())
 
     def _prefill_rows(self, fn, x, rows, k, v, cos, sin, mask):
         """Prefill (S > 1): queries, attention and o_proj for the flat rows `rows` of [B*S] only. A
