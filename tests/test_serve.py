@@ -196,6 +196,7 @@ def test_serve_bundled_model_first_start_calibrates_then_reuses(tmp_path):
 
         metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert 'vskipper_routed_layer_tokens_total{layer="15",route="run"}' in metrics, metrics[-3000:]
+        assert 'vskipper_routed_layer_phase_tokens_total{phase="decode",route="run"}' in metrics, metrics[-3000:]
         for block in readme_blocks(server=True):  # the README's client examples, as pasted, on this server
             out = run_block(block.replace("127.0.0.1:30000", f"127.0.0.1:{port}"), tmp_path, timeout=300)
             assert out.strip(), block

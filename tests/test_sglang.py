@@ -47,6 +47,9 @@ def test_stats_are_logged_every_n_decode_steps(tmp_path, capfd):
         greedy(eng, prompt_set()[0][:2], 9)
     err = capfd.readouterr().err
     assert "vskipper: after 4 decode steps: skip ratio 1.000" in err and "per layer 2:1.00" in err, err[-2000:]
+    # by phase: the two prompts' tokens as prefill, two generated tokens per decode step as decode
+    n = sum(len(p) for p in prompt_set()[0][:2])
+    assert f"(prefill 1.000 over {n}, decode 1.000 over 8)" in err, err[-2000:]
 
 
 def test_graph_safe_body_has_no_host_sync_at_decode(tmp_path):
@@ -108,8 +111,9 @@ def test_stats_are_read_after_a_step_never_while_capturing(monkeypatch, caplog):
     decode = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True))
     prefill = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False))
     reads = []
-    monkeypatch.setattr(vskipper, "stats", lambda model, by_setting=False: {} if by_setting else
-                        reads.append(1) or {1: dict(tokens=4, run=2, project=2, nonfinite=0)})
+    counts = dict(tokens=4, run=2, project=2, nonfinite=0)
+    monkeypatch.setattr(vskipper, "stats", lambda model, by_setting=False: {} if by_setting else reads.append(1) or {
+        1: counts | {f"prefill_{k}": 0 for k in counts} | {f"decode_{k}": v for k, v in counts.items()}})
     monkeypatch.setattr(capture_mode, "is_capture_mode", True)
     for _ in range(4):
         reporter.after_step(decode)

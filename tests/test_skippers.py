@@ -42,7 +42,7 @@ def test_random_skip_is_a_pure_function():
 
 
 def test_random_skip_router_gives_hash_uniform_decisions_as_bools():
-    from vskipper.counters import RouteCounter
+    from vskipper.counters import DECODE, RouteCounter
     from vskipper.skippers.base import sanitize_gate
 
     pos = torch.cat([torch.arange(3000), torch.tensor([2**31 - 1, 2**32 - 1, -5])])  # big and negative too
@@ -57,11 +57,14 @@ def test_random_skip_router_gives_hash_uniform_decisions_as_bools():
     g, run2, nonfinite = sanitize_gate(run, 0.5)  # a router's decisions pass through, nothing non-finite
     assert g is run and run2 is run and nonfinite is None
     counter, valid = RouteCounter(), torch.arange(len(run)) % 3 > 0
-    counter(run, valid, None)
+    counter(run, valid, None)  # a prefill (a counter's own phase starts there)
+    counter.phase.set(DECODE)
     counter(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), torch.tensor([True, False, False, True]))
     n = int(valid.sum())
-    assert counter.read() == dict(tokens=n + 4, run=int((run & valid).sum()) + 4,
-                                  project=int((~run & valid).sum()), nonfinite=2)
+    prefill = dict(tokens=n, run=int((run & valid).sum()), project=int((~run & valid).sum()), nonfinite=0)
+    decode = dict(tokens=4, run=4, project=0, nonfinite=2)
+    assert counter.read() == {k: prefill[k] + decode[k] for k in prefill} | {
+        f"prefill_{k}": v for k, v in prefill.items()} | {f"decode_{k}": v for k, v in decode.items()}
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])

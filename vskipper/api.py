@@ -6,7 +6,7 @@ from torch import nn
 
 from vskipper.config import Config
 from vskipper.control import COUNTS, SETTINGS, RequestCap
-from vskipper.counters import route_counter
+from vskipper.counters import Phase, route_counter
 from vskipper.models import ModelFamily, family_for
 from vskipper.passes import RoutePass, VerifyPass, run_passes, trace_stack
 from vskipper.routed_layer import AutoBody, Body, Plan, RoutedLayer, make_body, resolve_plan
@@ -17,16 +17,18 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes explain() s
 
 class VSkipperState(nn.Module):
     """What `transform` attaches to a model (as `model.vskipper`): the skipper, the per-layer
-    route counters, the per-layer request caps (where the engine passes per-request budgets,
-    vskipper/control.py), the config and its resolved plan, what each routed layer runs and why, and
-    the transformed stacks (`graphs`, fx GraphModules; their modules are the model's own). Its repr
-    is `explain`."""
+    route counters and the phase they count in (set by the engine's forward: prefill or decode), the
+    per-layer request caps (where the engine passes per-request budgets, vskipper/control.py), the
+    config and its resolved plan, what each routed layer runs and why, and the transformed stacks
+    (`graphs`, fx GraphModules; their modules are the model's own). Its repr is `explain`."""
 
     def __init__(self, skipper: Skipper, config: Config, family: ModelFamily, device: torch.device,
                  plan: Plan) -> None:
         super().__init__()
         self.skipper = skipper
-        self.counters = nn.ModuleDict({str(l): route_counter(bool(skipper.sublayers)) for l in skipper.layers})
+        self.phase = Phase()  # one buffer for every counter: the engine's forward sets it (vskipper/counters.py)
+        self.counters = nn.ModuleDict({str(l): route_counter(bool(skipper.sublayers), self.phase)
+                                       for l in skipper.layers})
         n = len(skipper.layers)
         self.caps = nn.ModuleDict({str(l): RequestCap(r, n, bool(skipper.sublayers))
                                    for r, l in enumerate(skipper.layers)})
@@ -149,11 +151,14 @@ def chosen_bodies(model: nn.Module, reset: bool = False) -> dict[str, int]:
 
 def stats(model: nn.Module, reset: bool = False, by_setting: bool = False) -> dict:
     """Route counts per routed layer since the last reset:
-    {layer: {"tokens": n, "run": n, "project": n, "nonfinite": n}} (padding rows not counted;
-    "nonfinite" counts tokens whose router gave NaN/Inf, which ran the layer). A sublayer skipper's
-    layers count "tokens", "attention_run", "attention_skip", "mlp_run", "mlp_skip", "nonfinite", and
-    "run" / "project" in sublayer decisions (two per token): project / (run + project) is the skipped
-    share for either kind.
+    {layer: {"tokens": n, "run": n, "project": n, "nonfinite": n, "prefill_tokens": n, ..., "decode_tokens": n,
+    ...}} (padding rows not counted; "nonfinite" counts tokens whose router gave NaN/Inf, which ran the
+    layer). The unprefixed counts are over every token; "prefill_*" count prompt tokens (the forward
+    over a prompt, or a prompt's chunk) and "decode_*" generated tokens (a step of one new token per
+    sequence), and each pair sums to the unprefixed count. A sublayer skipper's layers count "tokens",
+    "attention_run", "attention_skip", "mlp_run", "mlp_skip", "nonfinite", and "run" / "project" in
+    sublayer decisions (two per token), each per phase too: project / (run + project) is the skipped
+    share for either kind (vskipper.counters.skipped_share(st, phase) sums it over the layers).
 
     by_setting=True: the same rows split by what their request chose (vskipper/control.py), where the
     engine passes per-request settings (SGLang): {setting: {layer: {"tokens", "run", "project",

@@ -2,14 +2,16 @@
 
 The decoder stack is replaced, for this one model instance, by an fx-traced DecoderStack; the
 inner model's forward is rebound (an instance attribute, no class is patched) to compute
-embeddings, masks and rotary tables as transformers does, then call the stack. A routed layer's
-parts: vskipper/engines/hf.py.
+embeddings, masks and rotary tables as transformers does, tell the route counters the phase (a
+forward of one new token per sequence over a non-empty cache is decode, a generated token; any
+other is prefill, prompt tokens), then call the stack. A routed layer's parts: vskipper/engines/hf.py.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from vskipper.counters import DECODE, PREFILL
 from vskipper.engines.hf import HFMLP, HFAttention
 from vskipper.models import families_of
 
@@ -47,10 +49,11 @@ def make_stacks(model, routed) -> list[HFDecoderStack]:
     return [HFDecoderStack(inner.layers, _layer_types(inner.config))]
 
 
-def _skip_aware_forward(self, stack, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                        inputs_embeds=None, use_cache=None, **kwargs):
+def _skip_aware_forward(self, stack, phase, input_ids=None, attention_mask=None, position_ids=None,
+                        past_key_values=None, inputs_embeds=None, use_cache=None, **kwargs):
     """The inner model's forward after `vskipper.transform`: as transformers computes it, with the
-    decoder loop replaced by the transformed DecoderStack `stack`."""
+    decoder loop replaced by the transformed DecoderStack `stack`; `phase` (counters.Phase) is set for
+    the route counters."""
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -70,8 +73,9 @@ def _skip_aware_forward(self, stack, input_ids=None, attention_mask=None, positi
         use_cache = self.config.use_cache
     if use_cache and past_key_values is None:
         past_key_values = DynamicCache(config=self.config)
+    past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    phase.set(DECODE if S == 1 and past > 0 else PREFILL)
     if position_ids is None:
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
         position_ids = (torch.arange(S, device=inputs_embeds.device) + past).unsqueeze(0)
     if isinstance(attention_mask, dict):
         masks = attention_mask
@@ -97,18 +101,18 @@ class SkipAwareForward:
     """The inner model's forward through its transformed stack (an object rather than a closure,
     so that copy.deepcopy of the model rebinds it to the copy)."""
 
-    def __init__(self, inner: nn.Module, stack: nn.Module) -> None:
-        self.inner, self.stack = inner, stack
+    def __init__(self, inner: nn.Module, stack: nn.Module, phase: nn.Module) -> None:
+        self.inner, self.stack, self.phase = inner, stack, phase
 
     def __call__(self, *args, **kwargs):
-        return _skip_aware_forward(self.inner, self.stack, *args, **kwargs)
+        return _skip_aware_forward(self.inner, self.stack, self.phase, *args, **kwargs)
 
 
 def install(model, stacks, budgets=None) -> None:
     """Route this one model instance's inner forward through its one transformed stack (an
     instance attribute: no class is patched). transformers has no per-request budgets."""
     (_, gm), = stacks
-    model.model.forward = SkipAwareForward(model.model, gm)
+    model.model.forward = SkipAwareForward(model.model, gm, model.vskipper.phase)
 
 
 FAMILIES = families_of("transformers", {"LlamaForCausalLM": "transformers.models.llama.modeling_llama",

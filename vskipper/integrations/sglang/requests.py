@@ -167,8 +167,15 @@ def make_budgets(runner, n_layers: int) -> BatchBudgets:
 
 
 def after_forward_batch_init(forward_batch, cls, batch, model_runner, *args, **kwargs):
-    """AFTER hook of ForwardBatch.init_new."""
+    """AFTER hook of ForwardBatch.init_new: the batch's per-row budgets, and the phase its routed-layer
+    tokens are counted in (vskipper/counters.py): decode for a decode batch, else prefill (a mixed batch,
+    --enable-mixed-chunk, counts as prefill)."""
     budgets = _BUDGETS.get(model_runner)
     if budgets is not None and getattr(batch, "reqs", None) is not None:
         budgets.fill(forward_batch, batch)
+    state = getattr(getattr(model_runner, "model", None), "vskipper", None)
+    if state is not None:
+        from vskipper.counters import DECODE, PREFILL
+
+        state.phase.set(DECODE if forward_batch.forward_mode.is_decode() else PREFILL)
     return forward_batch

@@ -14,6 +14,7 @@ import torch
 import vskipper
 from vskipper.api import chosen_bodies
 from vskipper.control import COUNTS
+from vskipper.counters import PHASES
 from vskipper.integrations.sglang.settings import Settings
 from vskipper.skippers import parse_skipper
 
@@ -76,18 +77,34 @@ def transform_loaded(runner) -> None:
         install_route_digest(model, settings.route_digest, get_parallel().tp_rank)
 
 
+def format_phases(st: dict[int, dict[str, int]]) -> str:
+    """The skipped share per phase: prompt tokens (prefill) and generated tokens (decode), each over its
+    routed-layer tokens ("-" where a phase counted none)."""
+    from vskipper.counters import skipped_share
+
+    parts = []
+    for phase in PHASES:
+        share = skipped_share(st, phase)
+        tokens = sum(s[f"{phase}_tokens"] for s in st.values())
+        parts.append(f"{phase} {'-' if share is None else f'{share:.3f}'} over {tokens}")
+    return ", ".join(parts)
+
+
 def format_stats(st: dict[int, dict[str, int]]) -> str:
-    """The skipped share of routed-layer work, in all and per layer; for a sublayer skipper (counts in
-    sublayer decisions, two per token) the share of routed sublayers, and attention's and the MLP's apart."""
+    """The skipped share of routed-layer work, in all, per phase (prompt tokens: prefill, generated tokens:
+    decode) and per layer; for a sublayer skipper (counts in sublayer decisions, two per token) the share
+    of routed sublayers, and attention's and the MLP's apart."""
     tokens = sum(s["tokens"] for s in st.values())
     skipped = sum(s["project"] for s in st.values())
     decisions = sum(s["run"] + s["project"] for s in st.values())
     per_layer = " ".join(f"{l}:{s['project'] / max(1, s['run'] + s['project']):.2f}" for l, s in st.items())
+    phases = format_phases(st)
     if any("mlp_skip" in s for s in st.values()):
         attn, mlp = (sum(s[k] for s in st.values()) / max(1, tokens) for k in ("attention_skip", "mlp_skip"))
         return (f"skip ratio {skipped / max(1, decisions):.3f} of routed sublayers (attention {attn:.3f}, MLP "
-                f"{mlp:.3f}) over {tokens} routed-layer tokens; per layer {per_layer}")
-    return f"skip ratio {skipped / max(1, decisions):.3f} over {tokens} routed-layer tokens; per layer {per_layer}"
+                f"{mlp:.3f}) over {tokens} routed-layer tokens ({phases}); per layer {per_layer}")
+    return (f"skip ratio {skipped / max(1, decisions):.3f} over {tokens} routed-layer tokens ({phases}); "
+            f"per layer {per_layer}")
 
 
 def setting_totals(by: dict[str, dict[int, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -119,8 +136,10 @@ class PrometheusExport:
     """Per-layer route counters exported through SGLang's Prometheus endpoint (--enable-metrics):
     SGLang runs prometheus_client in multiprocess mode, so a counter created in the scheduler
     process is served by /metrics. Metrics: vskipper_routed_layer_tokens_total{layer, route} and,
-    summed over the routed layers, vskipper_request_setting_tokens_total{setting, route} (setting:
-    default, capped, no_skip; route: run, project, forced = rows a request's setting forced to RUN)."""
+    summed over the routed layers, vskipper_routed_layer_phase_tokens_total{phase, route} (phase: prefill =
+    prompt tokens, decode = generated tokens; route: run, project) and
+    vskipper_request_setting_tokens_total{setting, route} (setting: default, capped, no_skip; route: run,
+    project, forced = rows a request's setting forced to RUN)."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter
@@ -131,6 +150,9 @@ class PrometheusExport:
         self.by_setting = Counter("vskipper_request_setting_tokens_total",
                                   "Routed-layer tokens by their request's setting and route (run / project / forced)",
                                   ["setting", "route"])
+        self.by_phase = Counter("vskipper_routed_layer_phase_tokens",
+                                "Routed-layer tokens summed over the routed layers, by phase (prefill: prompt "
+                                "tokens, decode: generated tokens) and route (run / project)", ["phase", "route"])
         self.last: dict[tuple, int] = {}
         self.gauges = None
 
@@ -171,6 +193,10 @@ class PrometheusExport:
         for layer, s in st.items():
             for route in ("run", "project", "nonfinite"):
                 self._inc(self.counter, (layer, route), s[route], layer=str(layer), route=route)
+        for phase in PHASES:
+            for route in ("run", "project"):
+                self._inc(self.by_phase, ("phase", phase, route), sum(s[f"{phase}_{route}"] for s in st.values()),
+                          phase=phase, route=route)
         for setting, t in setting_totals(by or {}).items():
             if setting.startswith("level "):
                 continue  # elastic depth's own export (update_elastic)
