@@ -1,4 +1,4 @@
-"""`vskipper serve | inspect | calibrate | train | eval`."""
+"""`vskipper serve | inspect | calibrate | train | eval | plan`."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     from vskipper.eval.cli import add_arguments as add_eval_arguments
 
     add_eval_arguments(sub.add_parser("eval", help="quality of a served model: lm-eval tasks, agreement with the base"))
+    from vskipper.sim.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="simulate SGLang on a device's measured steps: upstream against a "
+                                                   "skipper, per rate and metric"))
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         from vskipper.first_start import flag_value, run
@@ -81,6 +85,13 @@ def main(argv: list[str] | None = None) -> None:
         from vskipper.eval.cli import main as eval_main
 
         return eval_main(args)
+    if args.command == "plan":
+        from vskipper.sim.plan import main as plan_main
+
+        try:
+            return plan_main(args)
+        except ValueError as e:
+            _fail(str(e))
     try:
         inspect_command(args)
     except ValueError as e:

@@ -12,7 +12,8 @@ and once for the machine, `host`: what the server adds to each step outside the 
 sampling bookkeeping, streaming: {"decode_ms": [h0, h1]} for h0 + h1 B, {"extend_ms": [g0, g1]} for
 g0 + g1 rows), `ingress_ms` (request in to the scheduler) and `egress_ms` (token out to the client), and
 `serial`: true where that host work runs between forwards on the same core (CPU), false where SGLang's
-overlap scheduler hides it behind the device's forward (a GPU).
+overlap scheduler hides it behind the device's forward (a GPU). A system may carry its own `host` (its
+server's, where it was fitted per system).
 
 `tag` says where a cell's figure comes from ("measured", "modelled: ..."), `source` names the page or
 file and table it was read from, so every step the simulator prices traces to a table.
@@ -220,6 +221,8 @@ class StepTables:
         self.host = Host.from_dict(data.get("host", {}))
         self.server = list(data.get("server", []))
         self.systems = {n: self._system(n, s, where) for n, s in systems.items()}
+        self.hosts = {n: Host.from_dict(s["host"]) if isinstance(s.get("host"), dict) else self.host
+                      for n, s in systems.items()}
 
     @staticmethod
     def _system(name: str, s: dict, where: str) -> StepModel:
@@ -277,6 +280,12 @@ class StepTables:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.data, indent=1) + "\n")
+
+    def host_for(self, name: str) -> Host:
+        """The host work of a system's server: its own where the tables fit one (systems.NAME.host), else the
+        machine's."""
+        self.model(name)
+        return self.hosts[name]
 
     def model(self, name: str) -> StepModel:
         if name not in self.systems:
