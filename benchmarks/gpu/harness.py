@@ -182,8 +182,9 @@ class PoolKV:
         V.scatter_(2, idx, v)
         return K, V
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked only when no position ids are given
-        raise RuntimeError("PoolKV: give position_ids")
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The cache length of the current view, a host int (the step attends every cached position)."""
+        return self.kv[layer_idx][0].shape[2]
 
 
 class Step:

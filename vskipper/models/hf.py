@@ -49,6 +49,17 @@ def make_stacks(model, routed) -> list[HFDecoderStack]:
     return [HFDecoderStack(inner.layers, _layer_types(inner.config))]
 
 
+def _cached(cache) -> bool:
+    """Whether `cache` holds earlier tokens, read on the host: a DynamicCache's length is a shape; any
+    other cache (a StaticCache, whose length is a device reduction, or the GPU harness's) is taken to
+    hold them, so that a decode step never waits for the device."""
+    from transformers.cache_utils import DynamicCache
+
+    if cache is None:
+        return False
+    return cache.get_seq_length() > 0 if isinstance(cache, DynamicCache) else True
+
+
 def _skip_aware_forward(self, stack, phase, input_ids=None, attention_mask=None, position_ids=None,
                         past_key_values=None, inputs_embeds=None, use_cache=None, **kwargs):
     """The inner model's forward after `vskipper.transform`: as transformers computes it, with the
@@ -73,9 +84,9 @@ def _skip_aware_forward(self, stack, phase, input_ids=None, attention_mask=None,
         use_cache = self.config.use_cache
     if use_cache and past_key_values is None:
         past_key_values = DynamicCache(config=self.config)
-    past = past_key_values.get_seq_length() if past_key_values is not None else 0
-    phase.set(DECODE if S == 1 and past > 0 else PREFILL)
+    phase.set(DECODE if S == 1 and _cached(past_key_values) else PREFILL)
     if position_ids is None:
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
         position_ids = (torch.arange(S, device=inputs_embeds.device) + past).unsqueeze(0)
     if isinstance(attention_mask, dict):
         masks = attention_mask
