@@ -8,7 +8,7 @@ import argparse
 import math
 import sys
 
-from vskipper.training.config import DATA_SETS, FAMILIES, TrainConfig
+from vskipper.training.config import DATA_SETS, FAMILIES, TARGET_TOKENS, TrainConfig
 
 DEFAULTS = TrainConfig(layers=(0,))
 
@@ -34,6 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--penalty-warmup", type=int, default=d.penalty_warmup)
     p.add_argument("--target-skip", type=float, help="adapt the penalty weight towards this skip ratio (0..1)")
     p.add_argument("--target-rate", type=float, default=d.target_rate, help="step of that adaptation (log scale)")
+    p.add_argument("--target-tokens", choices=list(TARGET_TOKENS), default=d.target_tokens,
+                   help="the tokens the penalty and --target-skip count: all (default) or generated (the answer's "
+                        "tokens a generation feeds back), the prompt's tokens then their own term (--prompt-penalty)")
+    p.add_argument("--prompt-penalty", type=float, default=d.prompt_penalty,
+                   help="with --target-tokens generated: the prompt tokens' penalty weight (default 0: the KL alone "
+                        "decides them); with --prompt-target-skip its starting weight")
+    p.add_argument("--prompt-target-skip", type=float,
+                   help="with --target-tokens generated: adapt the prompt tokens' weight towards this skip ratio")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -89,7 +97,9 @@ def _config(args: argparse.Namespace, num_layers: int) -> TrainConfig:
                        loss=args.loss,
                        penalty=penalty,
                        penalty_warmup=args.penalty_warmup, target_skip=args.target_skip,
-                       target_rate=args.target_rate, init_logit=args.init_logit,
+                       target_rate=args.target_rate, target_tokens=args.target_tokens,
+                       prompt_penalty=args.prompt_penalty, prompt_target_skip=args.prompt_target_skip,
+                       init_logit=args.init_logit,
                        straight_through=not args.no_straight_through, init=args.init, topk=args.topk,
                        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                        seed=args.seed, save_every=args.save_every, log_every=args.log_every)

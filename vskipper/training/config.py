@@ -10,6 +10,7 @@ LOSSES = ("kl", "lm")
 DATA_SETS = ("prompts", "chat")  # shipped prompt sets with a training split (vskipper/data)
 INITS = ("warm", "random")
 FAMILIES = ("flexidepth", "skipgpt")  # the skipper trained: one router per layer, or two per layer (sublayers)
+TARGET_TOKENS = ("all", "generated")  # the tokens the skip penalty and target_skip count
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,15 @@ class TrainConfig:
     target_skip     if set, the penalty weight is a multiplier adapted every step towards this
                     skip ratio: w <- w * exp(target_rate * (target - skip) / target), skip being the
                     batch's share of PROJECT decisions over routed layers and real tokens (skipgpt: the
-                    share of skipped sublayer work, forward.sublayer_work)
+                    share of skipped sublayer work, forward.sublayer_work), of the tokens target_tokens names
+    target_tokens   "all": one penalty and target over every token (prompt and answer alike); "generated":
+                    penalty and target_skip over the answer's generated tokens (those a generation feeds
+                    back, data.generated), and the prompt's tokens a term of their own: prompt_penalty x
+                    the same squared gate sum over them
+    prompt_penalty  target_tokens "generated": the prompt tokens' penalty weight (0: no push to skip them;
+                    the KL alone decides); with prompt_target_skip, its starting weight
+    prompt_target_skip  target_tokens "generated": adapt prompt_penalty towards this skip ratio of the
+                    prompt tokens, as target_skip adapts the generated tokens' weight
     penalty_warmup  steps over which the penalty weight ramps linearly from 0
     straight_through add the straight-through term (gradient R - P through the hard decision)
     init            "warm": routers start with g ~ sigmoid(init_logit) (0.98) on (almost) every token,
@@ -52,6 +61,9 @@ class TrainConfig:
     penalty_warmup: int = 0
     target_skip: float | None = None
     target_rate: float = 0.02
+    target_tokens: str = "all"
+    prompt_penalty: float = 0.0
+    prompt_target_skip: float | None = None
     straight_through: bool = True
     init: str = "warm"
     init_logit: float = 4.0
@@ -98,6 +110,20 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: target_skip={self.target_skip!r} must be a number in (0, 1)")
         if self.target_skip is not None and self.penalty == 0:
             raise ValueError("TrainConfig: target_skip needs a starting penalty > 0 (the weight is multiplied)")
+        if self.target_tokens not in TARGET_TOKENS:
+            raise ValueError(f"TrainConfig: target_tokens={self.target_tokens!r} must be one of {list(TARGET_TOKENS)}")
+        p = self.prompt_penalty
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
+            raise ValueError(f"TrainConfig: prompt_penalty={p!r} must be a finite number >= 0")
+        t = self.prompt_target_skip
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1):
+            raise ValueError(f"TrainConfig: prompt_target_skip={t!r} must be a number in (0, 1)")
+        if self.target_tokens == "all" and (p or t is not None):
+            raise ValueError("TrainConfig: prompt_penalty and prompt_target_skip are the prompt tokens' own term, "
+                             "with target_tokens='generated'; with target_tokens='all' one penalty counts every token")
+        if t is not None and p == 0:
+            raise ValueError("TrainConfig: prompt_target_skip needs a starting prompt_penalty > 0 (the weight is "
+                             "multiplied)")
         if isinstance(self.target_rate, bool) or not isinstance(self.target_rate, (int, float)) \
                 or not 0 < self.target_rate <= 1:
             raise ValueError(f"TrainConfig: target_rate={self.target_rate!r} must be a number in (0, 1]")
@@ -128,4 +154,4 @@ class TrainConfig:
 
     # fields a resumed run may change: they leave what the earlier steps computed as it was
     # (steps reshapes the rest of the cosine schedule, target_skip moves the penalty's goal)
-    RESUMABLE_CHANGES = ("steps", "save_every", "log_every", "target_skip")
+    RESUMABLE_CHANGES = ("steps", "save_every", "log_every", "target_skip", "prompt_target_skip")

@@ -138,10 +138,20 @@ def self_distillation(model: nn.Module, tokenizer, records: list[dict], max_new_
     return rows
 
 
+def generated(n_prompt: int, length: int) -> torch.Tensor:
+    """[length] bool: the positions of a prompt + answer sequence whose tokens a generation feeds back to
+    the model, the generated tokens it decodes: n_prompt <= t < length - 1 (the answer's tokens but its
+    last, which is never fed back). The prompt's positions t < n_prompt are what its prefill runs. Every
+    skip "on generated tokens" that a teacher-forced measure reports counts these positions."""
+    t = torch.arange(length)
+    return (t >= n_prompt) & (t < length - 1)
+
+
 # --- per-token targets ----------------------------------------------------------------------
 @dataclass
 class TargetSet:
-    """Flat per-token tensors over all sequences; sequence i owns rows offsets[i]:offsets[i+1]."""
+    """Flat per-token tensors over all sequences; sequence i owns rows offsets[i]:offsets[i+1].
+    n_prompt (optional, not cached: it comes with the sequences) gives each sequence's prompt length."""
 
     ids: torch.Tensor  # [N] int64 token ids
     offsets: torch.Tensor  # [n_seq + 1] int64
@@ -150,6 +160,15 @@ class TargetSet:
     top_logp: torch.Tensor  # [N, K] their log-probabilities
     rest_logp: torch.Tensor  # [N] log-probability of every other token together
     start_layer: int
+    n_prompt: torch.Tensor | None = None  # [n_seq] int64: each sequence's prompt tokens
+
+    def generated_rows(self) -> torch.Tensor:
+        """[N] bool: the rows that are generated tokens (`generated`); ValueError without n_prompt."""
+        if self.n_prompt is None:
+            raise ValueError("TargetSet: no prompt lengths (n_prompt); the generated tokens are unknown")
+        if self.n_prompt.numel() != len(self):
+            raise ValueError(f"TargetSet: n_prompt has {self.n_prompt.numel()} entries for {len(self)} sequences")
+        return torch.cat([generated(int(n), int(L)) for n, L in zip(self.n_prompt.tolist(), self.lengths)])
 
     @property
     def lengths(self) -> list[int]:

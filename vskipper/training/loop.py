@@ -3,6 +3,9 @@
 loss = KL(base || skipper)  (or LM cross-entropy)  +  lambda * mean_t ((1/L) sum_l g_lt)^2
 (SkipGPT: g_lt = w_a p_a + w_m p_m, the work-weighted run probability of layer l's two sublayers,
 w = forward.sublayer_work; its skip ratio is the share of skipped sublayer work.)
+With target_tokens "generated" the penalty is two terms, each a mean over its own tokens:
+lambda * mean over generated tokens + lambda_prompt * mean over prompt tokens, and target_skip steers
+lambda by the generated tokens' skip (prompt_target_skip, lambda_prompt by the prompt's).
 Only the skipper's tensors train (AdamW); the base model is frozen and its layers before the
 first routed layer are replaced by their cached output (TargetSet.start_hidden).
 Resumable: `save_state(dir)` writes the skipper, the optimizer moments and the step as
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import torch
@@ -147,8 +151,13 @@ class Trainer:
         self.names = [n for n, _ in sorted(skipper.named_parameters())]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.batcher = Batcher(data.lengths, cfg.batch_size, cfg.seed)
+        # [N] bool, the generated tokens' rows (data.generated), where the prompt lengths are known
+        self.gen_rows = None if data.n_prompt is None else data.generated_rows()
+        if cfg.target_tokens == "generated" and self.gen_rows is None:
+            raise ValueError("Trainer: target_tokens='generated' needs the data's prompt lengths (TargetSet.n_prompt)")
         self.step = 0
         self.penalty_weight = cfg.penalty  # adapted when cfg.target_skip is set
+        self.prompt_penalty_weight = cfg.prompt_penalty  # adapted when cfg.prompt_target_skip is set
         self.history: list[dict] = []
 
     # --- schedule ----------------------------------------------------------------------------
@@ -159,9 +168,11 @@ class Trainer:
         t = (step - c.warmup) / max(1, c.steps - c.warmup)
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
-    def penalty_at(self, step: int) -> float:
+    def penalty_at(self, step: int, weight: float | None = None) -> float:
+        """`weight` (default the penalty weight) under the penalty's warm-up at `step`."""
         c = self.cfg
-        return self.penalty_weight * (min(1.0, (step + 1) / c.penalty_warmup) if c.penalty_warmup else 1.0)
+        w = self.penalty_weight if weight is None else weight
+        return w * (min(1.0, (step + 1) / c.penalty_warmup) if c.penalty_warmup else 1.0)
 
     # --- one batch ---------------------------------------------------------------------------
     def batch(self, indices: list[int]):
@@ -173,8 +184,9 @@ class Trainer:
         rows = torch.cat([torch.arange(d.offsets[i], d.offsets[i + 1]) for i in indices])  # [n], row-major order
         return ids, valid, hidden, rows
 
-    def losses(self, indices: list[int], penalty: float):
-        """(total, parts) for a batch: parts are floats for the log."""
+    def losses(self, indices: list[int], penalty: float, prompt_penalty: float = 0.0):
+        """(total, parts) for a batch: parts are floats for the log. With target_tokens "generated",
+        `penalty` weighs the generated tokens' term and `prompt_penalty` the prompt tokens'."""
         d, cfg = self.data, self.cfg
         ids, valid, hidden, rows = self.batch(indices)
         out = skip_forward(self.model, self.skipper, ids, start_hidden=hidden, start_layer=d.start_layer,
@@ -200,10 +212,21 @@ class Trainer:
             parts["skip_attention"], parts["skip_mlp"] = (1.0 - run.mean((0, 1))).tolist()
             g, run = g @ self.work, run @ self.work  # [L, n]
         usage = g.mean(0)  # [n]: (1/L) sum_l g_lt
-        pen = usage.pow(2).mean()
-        total = main + penalty * pen
+        gen = None if self.gen_rows is None else self.gen_rows[rows]  # [n] bool: generated tokens
+        if cfg.target_tokens == "generated":
+            pen, pen_p = _mean_sq(usage[gen]), _mean_sq(usage[~gen])
+            total = main + penalty * pen + prompt_penalty * pen_p
+            parts["penalty_prompt"] = float(pen_p.detach())
+        else:
+            pen = usage.pow(2).mean()
+            total = main + penalty * pen
         parts.update({"main": float(main.detach()), "penalty": float(pen.detach()), "skip": 1.0 - float(run.mean()),
                       "tokens": int(valid.sum()), "skip_per_layer": (1.0 - run.mean(1)).tolist()})
+        if gen is not None:  # the skip of each kind of token (None where the batch has none)
+            for name, m in (("generated", gen), ("prompt", ~gen)):
+                n = int(m.sum())
+                parts[f"tokens_{name}"] = n
+                parts[f"skip_{name}"] = 1.0 - float(run[:, m].mean()) if n else None
         return total, parts
 
     @torch.no_grad()
@@ -215,30 +238,45 @@ class Trainer:
         sums, n = {"main": 0.0, "penalty": 0.0, "skip": 0.0}, 0
         if self.work is not None:
             sums |= {"skip_attention": 0.0, "skip_mlp": 0.0}
+        kinds = {} if self.gen_rows is None else {"generated": [0.0, 0], "prompt": [0.0, 0]}  # skip x tokens, tokens
         for b in range(0, len(indices), bs):
             _, parts = self.losses(indices[b:b + bs], 0.0)
             for k in sums:
                 sums[k] += parts[k] * parts["tokens"]
             n += parts["tokens"]
-        return {k: v / n for k, v in sums.items()} | {"tokens": n}
+            for name, acc in kinds.items():
+                if parts[f"tokens_{name}"]:
+                    acc[0] += parts[f"skip_{name}"] * parts[f"tokens_{name}"]
+                    acc[1] += parts[f"tokens_{name}"]
+        out = {k: v / n for k, v in sums.items()} | {"tokens": n}
+        for name, (skipped, tokens) in kinds.items():
+            out |= {f"skip_{name}": skipped / tokens if tokens else None, f"tokens_{name}": tokens}
+        return out
 
     def train_step(self) -> dict:
         self.skipper.train()
         lr = self.lr_at(self.step)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        lam = self.penalty_at(self.step)
-        total, parts = self.losses(self.batcher.batch(self.step), lam)
+        c = self.cfg
+        lam, lam_p = self.penalty_at(self.step), self.penalty_at(self.step, self.prompt_penalty_weight)
+        total, parts = self.losses(self.batcher.batch(self.step), lam, lam_p)
         self.opt.zero_grad(set_to_none=True)
         total.backward()
-        if self.cfg.grad_clip:
-            parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        if c.grad_clip:
+            parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip))
         self.opt.step()
-        if self.cfg.target_skip is not None:  # multiplicative dual step towards the target skip ratio
-            t = self.cfg.target_skip
-            self.penalty_weight *= math.exp(self.cfg.target_rate * (t - parts["skip"]) / t)
+        if c.target_skip is not None:  # multiplicative dual step towards the target skip ratio
+            skip = parts["skip_generated"] if c.target_tokens == "generated" else parts["skip"]
+            if skip is not None:
+                self.penalty_weight *= math.exp(c.target_rate * (c.target_skip - skip) / c.target_skip)
+        if c.prompt_target_skip is not None and parts["skip_prompt"] is not None:
+            t = c.prompt_target_skip
+            self.prompt_penalty_weight *= math.exp(c.target_rate * (t - parts["skip_prompt"]) / t)
         self.step += 1
         parts.update(step=self.step, loss=float(total.detach()), lr=lr, penalty_weight=lam)
+        if c.target_tokens == "generated":
+            parts["prompt_penalty_weight"] = lam_p
         return parts
 
     def run(self, until: int | None = None, log=print, on_save=None) -> list[dict]:
@@ -263,8 +301,13 @@ class Trainer:
                 if "skip_mlp" in parts:  # a sublayer skipper: skip is of the work, these of each sublayer's tokens
                     sub = (f" of work (attention {100 * sum(p['skip_attention'] for p in window) / len(window):.1f}%, "
                            f"MLP {100 * sum(p['skip_mlp'] for p in window) / len(window):.1f}%)")
+                sub += _kinds(window)
+                prompt = (f" + {parts['prompt_penalty_weight']:.3g} x prompt pen "
+                          f"{sum(p['penalty_prompt'] for p in window) / len(window):.4f}"
+                          if "prompt_penalty_weight" in parts else "")
                 log(f"step {self.step}/{until} | loss {avg['loss']:.4f} = {self.cfg.loss} {avg['main']:.4f} + "
-                    f"{parts['penalty_weight']:.3g} x pen {avg['penalty']:.4f} | skip {100 * avg['skip']:.1f}%{sub} | "
+                    f"{parts['penalty_weight']:.3g} x pen {avg['penalty']:.4f}{prompt} | skip {100 * avg['skip']:.1f}%"
+                    f"{sub} | "
                     f"lr {parts['lr']:.2e} | {rate:.0f} tok/s | ETA {_hms(eta)}")
                 window, t_win, tok_win = [], now, 0
             if on_save and (self.step % self.cfg.save_every == 0 or self.step == until):
@@ -286,7 +329,8 @@ class Trainer:
                 tensors[f"adam.{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
                 tensors[f"adam.{n}.step"] = torch.as_tensor(st["step"]).reshape(1).float()
         save_file(tensors, str(path / (STATE_TENSORS + ".tmp")))
-        meta = {"step": self.step, "penalty_weight": self.penalty_weight, "config": self.cfg.to_dict(),
+        meta = {"step": self.step, "penalty_weight": self.penalty_weight,
+                "prompt_penalty_weight": self.prompt_penalty_weight, "config": self.cfg.to_dict(),
                 "history": self.history}
         (path / (STATE_JSON + ".tmp")).write_text(json.dumps(meta))
         (path / (STATE_TENSORS + ".tmp")).replace(path / STATE_TENSORS)
@@ -301,7 +345,9 @@ class Trainer:
         if not (path / STATE_JSON).is_file() or not (path / STATE_TENSORS).is_file():
             raise ValueError(f"resume: {str(path)!r} holds no saved training state ({STATE_JSON}, {STATE_TENSORS})")
         meta = json.loads((path / STATE_JSON).read_text())
-        saved, now = {"family": "flexidepth"} | meta["config"], self.cfg.to_dict()  # older states: FlexiDepth
+        # a state saved before a field existed ran with that field's default (older states: FlexiDepth, all tokens)
+        defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+        saved, now = defaults | meta["config"], self.cfg.to_dict()
         diff = {k: (saved.get(k), v) for k, v in now.items()
                 if k not in TrainConfig.RESUMABLE_CHANGES and saved.get(k) != v}
         if diff:
@@ -317,7 +363,25 @@ class Trainer:
                                          "exp_avg_sq": t[f"adam.{n}.exp_avg_sq"].clone()}
         self.step = int(meta["step"])
         self.penalty_weight = float(meta["penalty_weight"])
+        self.prompt_penalty_weight = float(meta.get("prompt_penalty_weight", self.cfg.prompt_penalty))
         self.history = list(meta.get("history", []))
+
+
+def _mean_sq(u: torch.Tensor) -> torch.Tensor:
+    """mean(u^2), 0 for no element (a batch without tokens of a kind)."""
+    return u.pow(2).mean() if u.numel() else u.new_zeros(())
+
+
+def _kinds(window: list[dict]) -> str:
+    """' (prompt p%, generated g%)': each kind's skip over the window's steps, token-weighted ('' without)."""
+    if "tokens_generated" not in window[0]:
+        return ""
+    out = []
+    for name in ("prompt", "generated"):
+        n = sum(p[f"tokens_{name}"] for p in window)
+        skipped = sum(p[f"skip_{name}"] * p[f"tokens_{name}"] for p in window if p[f"tokens_{name}"])
+        out.append(f"{name} {100 * skipped / n:.1f}%" if n else f"{name} -")
+    return f" ({', '.join(out)})"
 
 
 def _hms(seconds: float) -> str:

@@ -72,6 +72,7 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
     tag = model_tag(model_dir)
     rows = self_distillation(model, tok, train_set, max_new_tokens, cache, tag, log=log)
     data = cached_targets(model, [r["ids"] for r in rows], min(cfg.layers), cfg.topk, cache, tag, log=log)
+    data.n_prompt = torch.tensor([r["n_prompt"] for r in rows])  # which tokens are the prompt's, which generated
     log(f"data: {len(data)} sequences, {data.ids.numel()} tokens "
         f"({sum(len(r['ids']) - r['n_prompt'] for r in rows)} generated)")
     if cfg.init == "warm":
@@ -104,6 +105,7 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
         "final_loss": sum(h["loss"] for h in last) / max(1, len(last)),
         f"final_{cfg.loss}": sum(h["main"] for h in last) / max(1, len(last)),
         "final_train_skip_ratio": sum(h["skip"] for h in last) / max(1, len(last)),
+        **{f"final_train_skip_{kind}": _share(last, kind) for kind in ("prompt", "generated")},
         "train_tokens": data.ids.numel(),
         "train_sequences": len(data),
         "base_model": model_dir.name,
@@ -130,6 +132,12 @@ def train(cfg: TrainConfig, out_dir, model_dir=None, resume: bool = False, max_n
                 shutil.copy2(model_dir / name, out / name)
     log(f"wrote {out} (skipper alone in {out / 'skipper'})")
     return trainer
+
+
+def _share(history: list[dict], kind: str) -> float | None:
+    """The skip of `kind` tokens ("prompt", "generated") over these steps, token-weighted."""
+    n = sum(h.get(f"tokens_{kind}") or 0 for h in history)
+    return sum(h[f"skip_{kind}"] * h[f"tokens_{kind}"] for h in history if h.get(f"tokens_{kind}")) / n if n else None
 
 
 def export_state(out_dir, dest=None, model_dir=None) -> Path:
