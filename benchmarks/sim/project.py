@@ -121,6 +121,13 @@ def project(args) -> tuple[dict, str]:
                         d = med([x[k] / u[k] - 1 for x, u in zip(per[n], up)])
                         cells[-1] += f" ({d[0]:+.1%})"
                 rows.append(cells)
+        priced = []
+        for load in LOADS:
+            for n in args.systems:
+                p = res["loads"][load][n]
+                share = {k: med([x["priced"].get(k, 0.0) for x in p])[0]
+                         for k in ("decode within measured B", "decode past measured B", "extend")}
+                priced.append([f"{load:g} x Q*", n] + [f"{v:.0%}" for v in share.values()])
         sat_rows = []
         for n in args.systems:
             sat = [run(tables, n, wl, float("inf"), args.requests, s) for s in range(args.seeds)]
@@ -130,7 +137,7 @@ def project(args) -> tuple[dict, str]:
             t, tlo, thi = med([x["output_tps"] for x in sat])
             gain = med([x["request_tps"] / u["request_tps"] - 1 for x, u in zip(sat, up)])[0]
             d = "" if n == "upstream" else f" ({gain:+.1%})"
-            past = med([x["priced"].get("decode past the tables' B", 0.0) for x in sat])[0]
+            past = med([x["priced"].get("decode past measured B", 0.0) for x in sat])[0]
             sat_rows.append([tables.model(n).label, f"{r:.1f} [{lo:.1f}, {hi:.1f}]{d}",
                              f"{t:.0f} [{tlo:.0f}, {thi:.0f}]", f"{med([x['mean_batch'] for x in sat])[0]:.0f}",
                              f"{past:.0%}"])
@@ -140,9 +147,13 @@ def project(args) -> tuple[dict, str]:
                      f"{', '.join(f'{k:g}' for k in knees)}).\n\n"
                      + R.table(["offered load", "system"] + [f"{h} s, median [range] (vs upstream)" for _, h in SHOWN],
                                rows)
+                     + "\n\nWhere the simulated busy time was priced (share of it; decode past the measured batch "
+                       "sizes is the bytes/FLOPs model, prefill is modelled from FLOPs throughout):\n\n"
+                     + R.table(["offered load", "system", "decode within measured B", "decode past measured B",
+                                "prefill (FLOPs model)"], priced)
                      + "\n\nSaturation (all requests at once), projected:\n\n"
                      + R.table(["system", "req/s [range] (vs upstream)", "output tok/s", "mean decode batch",
-                                "decode time priced past the measured B"], sat_rows))
+                                "busy time in decode steps past the measured B"], sat_rows))
     m = tables.meta
     text = ("**Projection, not a measurement.** SGLang 0.5.23's scheduler simulated (vskipper/sim) with its default "
             f"server flags for one H200 (`{' '.join(tables.server)}`), each step priced from the H200 step tables "

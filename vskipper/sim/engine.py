@@ -366,8 +366,10 @@ class _Sim:
         return SimResult.build(self, egress)
 
     def _tag(self, rows: int) -> str:
-        return "decode " + ("at a table B" if rows in self.m.decode_fit else
-                            "past the tables' B" if rows > max(self.m.decode_fit) else "between table B")
+        """Where a decode step of `rows` is priced: within the batch sizes of measured cells (at one, or between
+        two), or past them (modelled or extrapolated cells)."""
+        top = self.m.measured_max
+        return "decode within measured B" if top is not None and rows <= top else "decode past measured B"
 
     def _process(self, batch, t: float, result_only: bool = False) -> int:
         """Its tokens leave at t; its finished requests leave the running batch. Under a hidden host the

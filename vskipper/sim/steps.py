@@ -137,6 +137,8 @@ class StepModel:
         if missing:
             raise ValueError(f"step model {self.name!r}: extend coefficients missing {', '.join(missing)}")
         self._bs = sorted(self.decode_fit)
+        measured = [B for B in self._bs if self.tags.get(B, "measured").startswith("measured")]
+        self.measured_max = max(measured) if measured else None  # the largest batch size of a measured cell
         self._t0: list[float] = [0.0]
         self._k: list[float] = [0.0]
 
