@@ -18,9 +18,10 @@ simulated one with no host work is the host work per decode step at that batch s
 size; the same taken for a prefill step per row), and the measured TTFT at concurrency 1 less the simulated
 one is the way in and out. Each run is simulated on its own trace (the send times the client recorded).
 
-run: the held-out workload (prompts 24-160, outputs 8-40 tokens, uniform), Poisson arrivals at 0.6, 0.9 and
-1.2 x upstream's capacity as the fitted simulator predicts it (fixed at the first round, in plan.json), each
-run sized to about `--seconds` of arrivals; one round = every system at every rate, in random order.
+run: the held-out workload (prompts 24-160, outputs 8-40 tokens, uniform), Poisson arrivals at 0.6, 1.0 and
+1.4 x upstream's latency knee as the fitted simulator predicts it (where its mean TPOT doubles; fixed at the
+first round, in plan.json), each run sized to about `--seconds` of arrivals; one round = every system at
+every rate, in random order.
 
 page: every measured run simulated on its own trace; per system and rate, the rounds pooled (requests of all
 rounds together; throughput = all tokens / all durations), measured beside simulated for mean, p50 and p90
@@ -44,7 +45,7 @@ SPECS = {"upstream": None, "random0.5": "random:rate=0.5,layers=15-29,seed=0",
          "trained": "flexidepth:name=smollm2-135m-flexidepth"}
 MAX_TOTAL = 32768  # benchmarks/serving/servers.py: start()'s default
 FIT = {"prompt": 64, "output": 24, "runs": [(1, 6), (4, 12), (12, 24), (24, 48)]}  # (concurrency, requests)
-HELD_OUT = {"prompt": (24, 160), "output": (8, 40), "load": (0.6, 0.9, 1.2)}
+HELD_OUT = {"prompt": (24, 160), "output": (8, 40), "load": (0.6, 1.0, 1.4)}
 OUT = Path("out") / "sim-validate"
 
 
@@ -188,19 +189,29 @@ def fit_host(path: Path, name: str, runs: list[dict]) -> dict:
 
 
 def plan_rates(args) -> dict:
-    """The held-out rates, fixed at the first round: HELD_OUT['load'] x upstream's capacity as the fitted
-    simulator predicts it (requests/s with 200 requests of the held-out lengths sent at once)."""
+    """The held-out rates, fixed at the first round: HELD_OUT['load'] x upstream's latency knee as the fitted
+    simulator predicts it: the lowest rate (a 0.05 req/s grid) at which its mean TPOT is twice the TPOT at
+    0.1 req/s. (The paper's knee, where output tok/s stops growing, does not exist on this CPU within any
+    latency a user would wait for: a bigger batch keeps costing less per token, so tok/s grows while TPOT
+    runs to seconds.)"""
     path = args.out / "plan.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from vskipper.sim import Request, StepTables, simulate
+    from vskipper.sim import ServerConfig, StepTables, Workload, poisson, simulate
 
     tables = StepTables.load(args.tables)
-    rng = random.Random(0)
-    reqs = [Request(0.0, rng.randint(*HELD_OUT["prompt"]), o, o, True)
-            for o in (rng.randint(*HELD_OUT["output"]) for _ in range(200))]
-    cap = simulate(reqs, tables.model("upstream"), tables.host_for("upstream")).summary()["request_tps"]
-    plan = {"capacity_rps": cap, "rates": [round(x * cap, 3) for x in HELD_OUT["load"]], "load": HELD_OUT["load"]}
+    w = Workload(f"uniform:{HELD_OUT['prompt'][0]}-{HELD_OUT['prompt'][1]}",
+                 f"uniform:{HELD_OUT['output'][0]}-{HELD_OUT['output'][1]}", ignore_eos=True)
+
+    def tpot(rate: float) -> float:
+        reqs = w.requests(poisson(rate, n=max(40, round(rate * 300)), seed=0), seed=0)
+        return simulate(reqs, tables.model("upstream"), tables.host_for("upstream"),
+                        ServerConfig(max_total_tokens=MAX_TOTAL)).summary()["tpot_mean"]
+
+    low = tpot(0.1)
+    knee = next(r / 20 for r in range(2, 100) if tpot(r / 20) >= 2 * low)
+    plan = {"knee_rps": knee, "tpot_low_ms": low, "rates": [round(x * knee, 3) for x in HELD_OUT["load"]],
+            "load": HELD_OUT["load"]}
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=1))
     return plan
@@ -318,8 +329,9 @@ def page_cmd(args) -> None:
             f"{fit.get('date', '?')}) beside simulated (vskipper/sim on each run's own trace: its send times and "
             f"lengths), held-out workload: prompts {HELD_OUT['prompt'][0]}-{HELD_OUT['prompt'][1]} and outputs "
             f"{HELD_OUT['output'][0]}-{HELD_OUT['output'][1]} tokens (uniform, random ids, pinned outputs), Poisson "
-            f"arrivals at {', '.join(f'{x:g}' for x in plan['load'])} x upstream's capacity as the fitted simulator "
-            f"predicts it ({plan['capacity_rps']:.3f} req/s): {', '.join(f'{r:g}' for r in plan['rates'])} req/s. "
+            f"arrivals at {', '.join(f'{x:g}' for x in plan['load'])} x upstream's latency knee as the fitted "
+            f"simulator predicts it (its mean TPOT twice that at 0.1 req/s, {plan['tpot_low_ms']:.0f} ms: "
+            f"{plan['knee_rps']:g} req/s): {', '.join(f'{r:g}' for r in plan['rates'])} req/s. "
             f"Fitted on another workload (closed loop at concurrency "
             f"{', '.join(str(c) for c, _ in FIT['runs'])}, prompt {FIT['prompt']}, output {FIT['output']}) and the "
             f"step sweep (docs/results/sim-steps-cpu.md).\n\n"
