@@ -420,7 +420,8 @@ def main(argv=None) -> int:
             f"--load-format {args.load_format}); routed layers {layers}; vskipper --execution {args.execution}; "
             f"SGLang {info.get('upstream', {}).get('version', '?')}; KV pool {kv_tokens} tokens per server "
             f"({memory}); decode CUDA graphs: "
-            + ", ".join(f"{n} {i.get('decode_graphs', '?')}" for n, i in info.items()) + f"; {args.rounds} round(s).")
+            + ", ".join(f"{n} {i.get('decode_graphs', '?')}" for n, i in info.items()) + "; prefill CUDA graphs: "
+            + ", ".join(f"{n} {i.get('prefill_graphs', '?')}" for n, i in info.items()) + f"; {args.rounds} round(s).")
     md = rep.report(args.workloads, list(SYSTEMS), run.calls, run.counts, run.checks, head)
     results = {"workloads": [w.__dict__ for w in args.workloads], "systems": [s.__dict__ for s in SYSTEMS],
                "servers": info, "calls": run.calls, "checks": [c.__dict__ for c in run.checks],
@@ -432,13 +433,16 @@ def main(argv=None) -> int:
 
 
 def server_facts(server_info: str, log_text: str) -> dict:
-    """What the run states about a server: SGLang's version, KV pool, decode CUDA graphs (the resolved
-    backend and the batch sizes captured), attention backend, and vskipper's transform line."""
+    """What the run states about a server: SGLang's version, KV pool, CUDA graphs (the resolved decode
+    and prefill backends, the decode batch sizes, the log's decode capture line), attention backend, and
+    vskipper's transform line."""
     d = json.loads(server_info)
     graphs = (d.get("cuda_graph_config") or {}).get("decode") or {}
+    prefill = (d.get("cuda_graph_config") or {}).get("prefill") or {}
     transform = [x for x in log_text.splitlines() if "vskipper: transformed" in x]
     return {"version": d.get("version"), "max_total_num_tokens": d.get("max_total_num_tokens"),
             "attention_backend": d.get("attention_backend"), "decode_graphs": graphs.get("backend"),
+            "prefill_graphs": prefill.get("backend"),
             "decode_graph_bs": graphs.get("bs"),
             "captured": [x.split("] ", 1)[-1] for x in log_text.splitlines()  # "Capture target decode CUDA graph end."
                          if "Capture " in x and " decode " in x and " end. " in x][-1:],

@@ -42,7 +42,7 @@ while [ $# -gt 0 ]; do
         --time-limit) need "$@"; LIMIT=$2; shift ;;
         --model-path|--load-format|--execution|--rounds|--decode|--prefill|--kv-tokens) need "$@"; ARGS+=("$1" "$2"); shift ;;
         --) shift; SERVER_ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "sglang_check.sh: unknown argument '$1' (expected --smoke, --model-path DIR, --port P, --execution E," \
                 "--rounds N, --decode/--prefill IN,OUT,PROMPTS,CONCURRENCY, --kv-tokens N, --load-format F," \
                 "--time-limit S, -- SERVER FLAGS, --help)" >&2; exit 2 ;;
@@ -120,8 +120,11 @@ CHILD=$!
 wait "$CHILD"
 rc=$?
 CHILD=""
-if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+if [ "$rc" -eq 124 ]; then
     echo "!! sglang_check timed out after ${LIMIT}s (+60 s grace); logs under $OUT" >&2
+    exit 1
+elif [ "$rc" -eq 137 ]; then
+    echo "!! sglang_check was killed (SIGKILL: out of memory, or the time limit's hard kill); logs under $OUT" >&2
     exit 1
 fi
 echo "== done: status $rc; table in $OUT/sglang-check.md"
