@@ -97,7 +97,9 @@ def test_bad_settings_name_the_field(base):
     for kw, msg in ((dict(target_tokens="answers"), "target_tokens='answers' must be one of"),
                     (dict(prompt_penalty=0.3), "prompt_penalty and prompt_target_skip are the prompt tokens' own"),
                     (dict(target_tokens="generated", prompt_target_skip=0.2), "needs a starting prompt_penalty > 0"),
-                    (dict(target_tokens="generated", prompt_penalty=-1.0), "prompt_penalty=-1.0 must be a finite"),
+                    (dict(target_tokens="generated", prompt_penalty=float("nan")), "prompt_penalty=nan must be a"),
+                    (dict(target_tokens="generated", prompt_penalty=-1.0, prompt_target_skip=0.1),
+                     "needs a starting prompt_penalty > 0"),
                     (dict(target_tokens="generated", prompt_penalty=1.0, prompt_target_skip=1.5),
                      r"prompt_target_skip=1.5 must be a number in \(0, 1\)")):
         with pytest.raises(ValueError, match=msg):

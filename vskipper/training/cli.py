@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokens a generation feeds back), the prompt's tokens then their own term (--prompt-penalty)")
     p.add_argument("--prompt-penalty", type=float, default=d.prompt_penalty,
                    help="with --target-tokens generated: the prompt tokens' penalty weight (default 0: the KL alone "
-                        "decides them); with --prompt-target-skip its starting weight")
+                        "decides them; below 0 it rewards running them); with --prompt-target-skip its starting "
+                        "weight")
     p.add_argument("--prompt-target-skip", type=float,
                    help="with --target-tokens generated: adapt the prompt tokens' weight towards this skip ratio")
     p.add_argument("--steps", type=int, default=d.steps)

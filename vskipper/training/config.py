@@ -39,8 +39,9 @@ class TrainConfig:
                     penalty and target_skip over the answer's generated tokens (those a generation feeds
                     back, data.generated), and the prompt's tokens a term of their own: prompt_penalty x
                     the same squared gate sum over them
-    prompt_penalty  target_tokens "generated": the prompt tokens' penalty weight (0: no push to skip them;
-                    the KL alone decides); with prompt_target_skip, its starting weight
+    prompt_penalty  target_tokens "generated": the prompt tokens' penalty weight (0: no push to skip them,
+                    the KL alone decides; below 0: a reward for running them); with prompt_target_skip, its
+                    starting weight (> 0)
     prompt_target_skip  target_tokens "generated": adapt prompt_penalty towards this skip ratio of the
                     prompt tokens, as target_skip adapts the generated tokens' weight
     penalty_warmup  steps over which the penalty weight ramps linearly from 0
@@ -113,15 +114,16 @@ class TrainConfig:
         if self.target_tokens not in TARGET_TOKENS:
             raise ValueError(f"TrainConfig: target_tokens={self.target_tokens!r} must be one of {list(TARGET_TOKENS)}")
         p = self.prompt_penalty
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
-            raise ValueError(f"TrainConfig: prompt_penalty={p!r} must be a finite number >= 0")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p):
+            raise ValueError(f"TrainConfig: prompt_penalty={p!r} must be a finite number (below 0: a reward for "
+                             f"running the prompt's tokens)")
         t = self.prompt_target_skip
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1):
             raise ValueError(f"TrainConfig: prompt_target_skip={t!r} must be a number in (0, 1)")
         if self.target_tokens == "all" and (p or t is not None):
             raise ValueError("TrainConfig: prompt_penalty and prompt_target_skip are the prompt tokens' own term, "
                              "with target_tokens='generated'; with target_tokens='all' one penalty counts every token")
-        if t is not None and p == 0:
+        if t is not None and p <= 0:
             raise ValueError("TrainConfig: prompt_target_skip needs a starting prompt_penalty > 0 (the weight is "
                              "multiplied)")
         if isinstance(self.target_rate, bool) or not isinstance(self.target_rate, (int, float)) \
