@@ -36,6 +36,20 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -
         raise AssertionError(f"{what}: {int(bad.sum())} mismatches (max abs diff {worst:.3g}), first at {idx}")
 
 
+def assert_close_terms(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor, what: str = "") -> None:
+    """assert_close for a sum of terms (a residual plus an update): the dtype's tolerance on the terms'
+    magnitude `scale` (elementwise), not on the sum's, which cancellation can make far smaller than the
+    rounding of the terms that made it (bf16: a 0.125 step at |terms| ~ 16 in a sum near 0)."""
+    atol, rtol = TOL[expected.dtype]
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {list(actual.shape)} != {list(expected.shape)}")
+    diff = (actual.float() - expected.float()).abs()
+    bad = diff > atol + rtol * scale.float()
+    if bad.any():
+        idx, worst = bad.nonzero()[:5].tolist(), diff.max().item()
+        raise AssertionError(f"{what}: {int(bad.sum())} mismatches (max abs diff {worst:.3g}), first at {idx}")
+
+
 def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {list(actual.shape)} != {list(expected.shape)}")

@@ -47,7 +47,21 @@ def opcheck_cases():
     cache = (torch.randn(B, nh, d, generator=g), torch.randn(B, kvh, C, d, generator=g),
              torch.randn(B, kvh, C, d, generator=g), torch.rand(B, C, generator=g) < 0.7,
              torch.tensor([True, False, True]), 0.25)
+    from vskipper.skippers.random_skip import RandomSkipRouter
+
+    counter, phase = torch.zeros(2, 3, dtype=torch.int64), torch.tensor([0, 1])
+    gates = torch.rand(T, generator=g)
     return {
+        "route_gate": (torch.ops.vskipper.route.default, (gates, None, valid, counter, phase, RM.GATE, 0.5, [])),
+        "route_decisions": (torch.ops.vskipper.route.default, (run, None, None, counter, phase, RM.DECISIONS, 0.5, [])),
+        "route_hash": (torch.ops.vskipper.route.default, (torch.arange(T), torch.arange(T) * 3, valid, counter, phase,
+                                                          RM.HASH, 0.5, list(RandomSkipRouter(0.5, 2, 0).hash_params))),
+        "routed_swiglu_": (torch.ops.vskipper.routed_swiglu_.default,
+                           (torch.empty(T, H), h, x, *RM.torch_op(run, valid), wg, wu, wd, wg[:8], wu[:8], wd[:, :8],
+                            torch.rand(H, generator=g) + 0.5, 1e-5, torch.rand(T, generator=g), valid)),
+        "routed_swiglu_hard_no_adapter": (torch.ops.vskipper.routed_swiglu_.default,
+                                          (torch.empty(T, H), h, x, *RM.torch_op(run, None), wg, wu, wd, None, None,
+                                           None, torch.ones(H), 1e-6, None, None)),
         "cache_decode_attention": (torch.ops.vskipper.cache_decode_attention.default, cache),
         "cache_decode_attention_no_mask": (torch.ops.vskipper.cache_decode_attention.default,
                                            (*cache[:3], None, *cache[4:])),

@@ -240,6 +240,29 @@ def test_static_body_matches_reference_without_host_sync(family, body, impl):
     assert_batch_matches_reference(m, base, sk, seqs, 12)
 
 
+@pytest.mark.skipif(not TRITON_RUNS, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_fixed_shape_triton_random_skip_makes_its_decisions_in_the_route_op():
+    """In Triton, RandomSkip's decisions, the maps and the counts are one launch per routed layer
+    (ops.route in hash mode: the router is not called), with the reference's tokens and routes."""
+    base = tiny_llama()
+    sk = vskipper.RandomSkip(0.5, [1, 3, 4], seed=3)
+    m = transformed(base, sk, "routed", static_shapes=True, check_sync=True, impl="triton")
+    roles = [n.meta["vskipper"]["role"] for n in m.vskipper.graphs[0].graph.nodes if "vskipper" in n.meta]
+    assert roles.count("route") == 3 and "router" not in roles and "decide" not in roles, roles
+    seqs, n = prompts((6, 3, 9)), 8
+    ids, mask = left_pad(seqs)
+    out = greedy(m, ids, mask, n)
+    runs = dict.fromkeys(sk.layers, 0)
+    for b, p in enumerate(seqs):  # no router call to record: the counts must be the reference's decisions'
+        ref_tokens, ref_dec = reference_generate(base, sk, p, n)
+        assert_equal(out[b, ids.shape[1]:], ref_tokens[len(p):], f"greedy tokens of sequence {b}")
+        for l in sk.layers:
+            runs[l] += int(ref_dec[l][:len(p) + n - 1].sum())  # the last token is generated, never forwarded
+    st = vskipper.stats(m)
+    assert {l: st[l]["run"] for l in sk.layers} == runs
+    assert all(0 < s["project"] < s["tokens"] for s in st.values())
+
+
 def test_host_sync_guard_catches_the_dynamic_body():
     from vskipper.guard import HostSyncError
 

@@ -31,8 +31,9 @@ from torch import Tensor
 
 IMPLS = ("torch", "triton")
 
-__all__ = ["IMPLS", "resolve_impl", "route_maps", "grouped_swiglu_", "masked_decode_attention",
-           "masked_decode_attention_dynamic", "cache_decode_attention", "routed_prefill_attention"]
+__all__ = ["IMPLS", "resolve_impl", "route_maps", "route", "grouped_swiglu_", "routed_swiglu_",
+           "masked_decode_attention", "masked_decode_attention_dynamic", "cache_decode_attention",
+           "routed_prefill_attention"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -43,7 +44,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         impl = "triton" if torch.device(device).type == "cuda" else "torch"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of 'auto', {', '.join(map(repr, IMPLS))}")
-    for name in ("route_maps", "grouped_swiglu", "masked_decode_attention", "cache_decode_attention",
+    for name in ("route_maps", "grouped_swiglu", "routed_swiglu", "masked_decode_attention", "cache_decode_attention",
                  "routed_prefill_attention"):
         _kernels(name)
     return impl
@@ -92,6 +93,53 @@ def route_maps(run_mask: Tensor, valid: Optional[Tensor] = None, *, impl: str,
     raise _bad_impl(impl)
 
 
+# --- route ------------------------------------------------------------------------------------
+@torch.library.custom_op("vskipper::route", mutates_args=("counter",))
+def _route(x: Tensor, token_ids: Optional[Tensor], valid: Optional[Tensor], counter: Tensor, phase: Tensor, kind: int,
+           threshold: float, hash_params: list[int],
+           tuned: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kernels("route_maps").launch_route(x, token_ids, valid, counter, phase, kind, threshold, hash_params, tuned)
+
+
+@_route.register_fake
+def _(x, token_ids, valid, counter, phase, kind, threshold, hash_params, tuned=True):
+    RM = _kernels("route_maps")
+    RM.check_route(x, token_ids, valid, counter, phase, kind, hash_params)
+    T = x.shape[0]
+    return (x.new_empty(T if kind == RM.GATE else 0), x.new_empty(T, dtype=torch.bool),
+            x.new_empty(T, dtype=torch.int32), x.new_empty(T, dtype=torch.int32), x.new_empty(2, dtype=torch.int32))
+
+
+def route(x: Tensor, valid: Optional[Tensor], counter: Tensor, phase: Tensor, threshold: float = 0.5, *,
+          token_ids: Optional[Tensor] = None, hash_params: Optional[tuple[int, ...]] = None, impl: str,
+          tuned: bool = True) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """Router output to a routed layer's inputs in one launch (T <= 1024): the decisions, the route
+    maps, and the layer's route counts added in place.
+
+    x [...]: the router's output, bool decisions (as they are) or float gates (sanitized as
+    skippers/base.py's sanitize_gate does: a non-finite gate RUNs with g = 1; RUN where g > threshold);
+    or, with hash_params = RandomSkipRouter.hash_params, the positions, token_ids [...] beside them
+    (RandomSkip's decisions, made here instead of by the router). valid [...] bool | None; counter
+    [2, 3] int64 (RouteCounter.counts: per phase tokens, RUN, non-finite) gains this step's counts in
+    the row phase [2] (counters.Phase.onehot) selects. -> (g [...] (the sanitized gate; bool decisions
+    where there is none), run [...] bool, route_maps(run, valid): (run_rows [T], project_rows [T], counts [2]))."""
+    RM = _kernels("route_maps")
+    shape = x.shape
+    mode = RM.HASH if hash_params is not None else RM.DECISIONS if x.dtype == torch.bool else RM.GATE
+    flat = x.reshape(-1).contiguous()
+    ids = None if token_ids is None else token_ids.reshape(-1).contiguous()
+    v = None if valid is None else valid.reshape(-1).contiguous()
+    hp = list(hash_params) if hash_params is not None else []
+    if impl == "torch":
+        gate, run, *maps = RM.torch_op_route(flat, ids, v, counter, phase, mode, float(threshold), hp)
+    elif impl == "triton":
+        gate, run, *maps = _route(flat, ids, v, counter, phase, mode, float(threshold), hp, tuned)
+    else:
+        raise _bad_impl(impl)
+    run = run.view(shape)
+    return (gate.view(shape) if mode == RM.GATE else run), run, tuple(maps)
+
+
 # --- grouped_swiglu_ --------------------------------------------------------------------------
 @torch.library.custom_op("vskipper::grouped_swiglu_", mutates_args=("out",))
 def _grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, count: Tensor, w_gate: Tensor,
@@ -118,6 +166,47 @@ def grouped_swiglu_(out: Tensor, residual: Tensor, x: Tensor, rows: Tensor, coun
         return _kernels("grouped_swiglu").torch_op(out, residual, x, rows, count, w_gate, w_up, w_down, weight)
     if impl == "triton":
         return _grouped_swiglu_(out, residual, x, rows, count, w_gate, w_up, w_down, weight, tuned)
+    raise _bad_impl(impl)
+
+
+# --- routed_swiglu_ --------------------------------------------------------------------------
+@torch.library.custom_op("vskipper::routed_swiglu_", mutates_args=("out",))
+def _routed_swiglu_(out: Tensor, h: Tensor, a: Tensor, run_rows: Tensor, project_rows: Tensor, counts: Tensor,
+                    w_gate: Tensor, w_up: Tensor, w_down: Tensor, a_gate: Optional[Tensor], a_up: Optional[Tensor],
+                    a_down: Optional[Tensor], norm_w: Tensor, eps: float, g: Optional[Tensor], valid: Optional[Tensor],
+                    tuned: bool = True) -> None:
+    adapter = None if a_gate is None else (a_gate, a_up, a_down)
+    _kernels("routed_swiglu").launch(out, h, a, run_rows, project_rows, counts, (w_gate, w_up, w_down), adapter,
+                                     norm_w, eps, g, valid, tuned)
+
+
+@_routed_swiglu_.register_fake
+def _(out, h, a, run_rows, project_rows, counts, w_gate, w_up, w_down, a_gate, a_up, a_down, norm_w, eps, g, valid,
+      tuned=True):
+    adapter = None if a_gate is None else (a_gate, a_up, a_down)
+    _kernels("routed_swiglu").check(out, h, a, run_rows, project_rows, counts, (w_gate, w_up, w_down), adapter, norm_w,
+                                    g, valid)
+
+
+def routed_swiglu_(out: Tensor, h: Tensor, a: Tensor, maps: tuple[Tensor, Tensor, Tensor],
+                   mlp: tuple[Tensor, Tensor, Tensor], adapter: Optional[tuple[Tensor, Tensor, Tensor]],
+                   norm_w: Tensor, eps: float, g: Optional[Tensor] = None, valid: Optional[Tensor] = None, *,
+                   impl: str, tuned: bool = True) -> None:
+    """A fixed-shape routed layer's MLP side, in place, every row of out [T, H] written: RUN rows
+    (maps' run_rows[:counts[0]]) out = h1 + w * mlp(rmsnorm(h1)), h1 = h + a (a: the attention output);
+    PROJECT rows (project_rows[:counts[1]]) with an adapter out = h + w' * adapter(rmsnorm(h)); every
+    other row (PROJECT without an adapter, padding: valid False) out = h. w = g, w' = 1 - g with a soft
+    gate g [T], else 1. mlp and adapter: (w_gate [N, H], w_up [N, H], w_down [H, N]) (FlexiDepth's
+    adapter: (gate_proj, down_proj, up_proj)); rmsnorm: transformers' LlamaRMSNorm with norm_w [H], eps.
+    h, a, out [T, H] (out not h or a); maps = route_maps(run, valid) (their counts [2] on the device)."""
+    run_rows, project_rows, counts = maps
+    ad = adapter if adapter is not None else (None, None, None)
+    if impl == "torch":
+        return _kernels("routed_swiglu").torch_op(out, h, a, run_rows, project_rows, counts, tuple(mlp), adapter,
+                                                  norm_w, float(eps), g, valid)
+    if impl == "triton":
+        return _routed_swiglu_(out, h, a, run_rows, project_rows, counts, *mlp, *ad, norm_w, float(eps), g, valid,
+                               tuned)
     raise _bad_impl(impl)
 
 

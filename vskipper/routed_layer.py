@@ -201,9 +201,27 @@ def _mlp_rows(mlp, y, T: int):
     return mlp(y)
 
 
+# The post-attention norms the fused MLP side (ops.routed_swiglu_) restates: RMSNorms with a weight, of the
+# families registered here (transformers' Llama and Qwen3, SGLang's); any other norm is called as it is.
+FUSED_NORMS = {("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+               ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"), ("sglang.srt.layers.layernorm", "RMSNorm")}
+
+
+def _norm_params(norm: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
+    """(weight [H], eps) of a post-attention norm ops.routed_swiglu_ can fuse, else None."""
+    w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if ((type(norm).__module__, type(norm).__name__) in FUSED_NORMS and isinstance(w, torch.Tensor) and w.dim() == 1
+            and w.dtype == dtype and isinstance(eps, float)):
+        return w, eps
+    return None
+
+
 class FixedRoutedBody(Body):
     """Fixed shapes, device-side counts, vskipper's grouped ops: no host sync (CUDA graphs). Kind
-    "routed" needs an attention part with a fixed-shape masked form (AttentionPart.masks_rows)."""
+    "routed" needs an attention part with a fixed-shape masked form (AttentionPart.masks_rows). In
+    Triton, on one rank, the MLP side (h + attention, both post-attention norms, the MLP of the RUN
+    rows and the adapter of the PROJECT rows, the copy of the rest) is one pair of launches
+    (ops.routed_swiglu_); in torch, or under tensor parallelism, the grouped SwiGLU per cohort."""
 
     needs_maps = True
 
@@ -222,8 +240,15 @@ class FixedRoutedBody(Body):
             a = layer.attention.attend_all(x, ctx).reshape(-1, H)  # [T, H]
         else:
             a = layer.attention.attend_masked(x, ran, ctx, self.impl, self.tuned).reshape(-1, H)  # [T, H]
-        h1 = hf + a
         mlp = layer.mlp
+        norm = _norm_params(layer.post_norm, h.dtype) if self.impl == "triton" and not mlp.partial_sums else None
+        if norm is not None:
+            out = torch.empty_like(hf)
+            adapter = None if layer.adapter is None else layer.adapter.swiglu_weights()
+            ops.routed_swiglu_(out, hf, a, maps, mlp.swiglu_weights(), adapter, *norm, gf, valid.reshape(-1),
+                               impl=self.impl, tuned=self.tuned)
+            return out.view_as(h)
+        h1 = hf + a
         if not mlp.partial_sums:
             out = hf.clone()
             ops.grouped_swiglu_(out, h1, layer.post_norm(h1), run_rows, counts[0:1], *mlp.swiglu_weights(), gf,

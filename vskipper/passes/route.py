@@ -1,7 +1,10 @@
 """RoutePass: at every routed layer, insert norm -> router -> route decisions -> route maps ->
-route counter -> routed layer, in place of the plain decoder-layer call. Where the traced stack has
-a `budget` input (per-request control, vskipper/control.py), the request cap rewrites the decisions
-right after they are made, so that maps, counters and the body all see the capped ones.
+route counter -> routed layer, in place of the plain decoder-layer call. For the fixed-shape bodies of a
+whole-layer skipper with no request cap, decisions, maps and counts are one op (ops.route: one launch in
+Triton), which in Triton also makes RandomSkip's decisions itself (its router then is not called).
+Where the traced stack has a `budget` input (per-request control, vskipper/control.py), the request
+cap rewrites the decisions right after they are made, so that maps, counters and the body all see
+the capped ones.
 
 Each routed layer comes with its body, already chosen (routed_layer.make_body); the graph records
 it (node.meta["vskipper"]["body"]) and carries a route-maps node, in the ops implementation the
@@ -67,23 +70,36 @@ class RoutePass(Pass):
             with g.inserting_before(node):
                 x = g.call_module(f"{node.target}.{self.input_norm}", (h,))
                 r = h if self.skipper.router_input == "residual" else x
-                raw = g.call_module(f"routers.{i}", (r, ph["positions"], ph["token_ids"]))
-                decide = dec = g.call_function(sanitize_gate, (raw, thr))
-                cap = None
-                if self.caps is not None and "budget" in ph:
-                    gm.add_submodule(f"caps.{i}", self.caps[str(i)])
-                    cap = dec = g.call_module(f"caps.{i}", (dec, ph["valid"], ph["budget"]))
+                capped = self.caps is not None and "budget" in ph
+                router = gm.get_submodule(f"routers.{i}")
+                fused = body.needs_maps and not capped and not self.skipper.sublayers
+                hashed = fused and body.maps_impl == "triton" and getattr(router, "hash_params", None) is not None
+                raw = None if hashed else g.call_module(f"routers.{i}", (r, ph["positions"], ph["token_ids"]))
+                decide = cap = maps = None
+                if fused:  # decisions, route maps and counts in one op (one launch in Triton)
+                    counts = g.get_attr(f"counters.{i}.counts")
+                    onehot = g.get_attr(f"counters.{i}.phase.onehot")
+                    src, extra = (ph["positions"], {"token_ids": ph["token_ids"], "hash_params": router.hash_params}) \
+                        if hashed else (raw, {})
+                    decide = dec = g.call_function(ops.route, (src, ph["valid"], counts, onehot, thr),
+                                                   {**extra, "impl": body.maps_impl, "tuned": body.tuned})
+                    maps = g.call_function(operator.getitem, (dec, 2))
+                else:
+                    decide = dec = g.call_function(sanitize_gate, (raw, thr))
+                    if capped:
+                        gm.add_submodule(f"caps.{i}", self.caps[str(i)])
+                        cap = dec = g.call_module(f"caps.{i}", (dec, ph["valid"], ph["budget"]))
                 gate = g.call_function(operator.getitem, (dec, 0))
                 run = g.call_function(operator.getitem, (dec, 1))
-                bad = g.call_function(operator.getitem, (dec, 2))
-                maps = None
-                if body.needs_maps:  # a sublayer skipper's route maps are its MLP's
-                    mask = g.call_function(torch.select, (run, -1, 1)) if self.skipper.sublayers else run
-                    maps = g.call_function(ops.route_maps, (mask, ph["valid"]),
-                                           {"impl": body.maps_impl, "tuned": body.tuned})
-                g.call_module(f"counters.{i}", (run, ph["valid"], bad))
+                if not fused:
+                    bad = g.call_function(operator.getitem, (dec, 2))
+                    if body.needs_maps:  # a sublayer skipper's route maps are its MLP's
+                        mask = g.call_function(torch.select, (run, -1, 1)) if self.skipper.sublayers else run
+                        maps = g.call_function(ops.route_maps, (mask, ph["valid"]),
+                                               {"impl": body.maps_impl, "tuned": body.tuned})
+                    g.call_module(f"counters.{i}", (run, ph["valid"], bad))
                 out = g.call_module(f"routed.{i}", (h, x, gate, run, ph["valid"], maps), dict(node.kwargs))
-            for n, role in ((x, "input_norm"), (raw, "router"), (decide, "decide"),
+            for n, role in ((x, "input_norm"), (raw, "router"), (decide, "route" if fused else "decide"),
                             (cap, "request_cap"), (maps, "route_maps"), (out, "routed_layer")):
                 if n is not None:
                     n.meta["vskipper"] = {"layer": i, "role": role}

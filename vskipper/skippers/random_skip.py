@@ -84,6 +84,12 @@ class RandomSkipRouter(nn.Module):
             raise ValueError("RandomSkip needs token ids and positions; it cannot route inputs_embeds alone")
         return _hash32(self._key, positions, token_ids) >= self._cut  # [T] decisions: True = RUN
 
+    @property
+    def hash_params(self) -> tuple[int, ...]:
+        """(key, cut, A, B, C1, C2, 2**32 - 1): this router's decisions as constants, for ops.route to make
+        them in the launch that maps them (the same bits: tested against forward)."""
+        return (self._key, self._cut, _A, _B, _C1, _C2, _M32)
+
     def extra_repr(self) -> str:
         return f"rate={self.rate}, layer={self.layer}, seed={self.seed}"
 
