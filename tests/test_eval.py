@@ -77,6 +77,49 @@ def test_teacher_forced_is_zero_against_itself_and_positive_with_skipping():
     assert 0.2 < tf["skip"] < 0.8 and tf["kl_stderr"] > 0
     ref = teacher_forced(base, copy.deepcopy(base), seqs, n_prompt)
     assert ref["top1_mean"] == 1.0  # the base agrees with its own greedy tokens
+    # by phase: the prompt's positions and the generated ones (the answer's tokens but its last), as the
+    # reference decides them
+    from vskipper.reference import reference_forward
+    from vskipper.training.data import generated
+
+    sk = skipped.vskipper.skipper
+    counts = {"prompt": [0, 0], "generated": [0, 0]}
+    for s, n in zip(seqs, n_prompt):
+        _, dec, _ = reference_forward(base, sk, torch.tensor(s))
+        for name, m in (("prompt", torch.arange(len(s)) < n), ("generated", generated(n, len(s)))):
+            counts[name][0] += sum(int((~d[m]).sum()) for d in dec.values())
+            counts[name][1] += sum(int(m.sum()) for _ in dec)
+    for name, (k, d) in counts.items():
+        assert tf[f"skip_{name}"] == pytest.approx(k / d), name
+    assert same["skip_prompt"] is None and same["skip_generated"] is None
+
+
+def test_server_skip_by_phase_from_metrics(monkeypatch):
+    import requests
+
+    from vskipper.eval import server
+    from vskipper.eval.cli import table
+
+    def metrics(run_d, proj_d, run_p):
+        text = "\n".join([
+            "# TYPE vskipper_routed_layer_phase_tokens_total counter",
+            f'vskipper_routed_layer_phase_tokens_total{{phase="decode",route="run"}} {run_d}',
+            f'vskipper_routed_layer_phase_tokens_total{{phase="decode",route="project"}} {proj_d}',
+            f'vskipper_routed_layer_phase_tokens_total{{phase="prefill",route="run"}} {run_p}',
+            'vskipper_routed_layer_phase_created{phase="prefill",route="run"} 1.7e9'])
+        return type("R", (), {"ok": True, "text": text})()
+
+    readings = iter([metrics(10.0, 2.0, 50.0), metrics(40.0, 12.0, 90.0)])
+    monkeypatch.setattr(requests, "get", lambda *a, **k: next(readings))
+    before, after = server.route_phases("http://x"), server.route_phases("http://x")
+    assert before == {"decode": {"run": 10.0, "project": 2.0}, "prefill": {"run": 50.0}}
+    shares = server.phase_shares(before, after)
+    assert shares == {"prompt": 0.0, "prompt_tokens": 40.0, "generated": 0.25, "generated_tokens": 40.0}
+    assert server.phase_shares(None, after) is None
+    rows = table({"server_skip": {"agreement": shares}})
+    assert ("server skip share, generated tokens (greedy agreement)", "25.0%", "-", "40 routed-layer tokens") in rows
+    monkeypatch.setattr(requests, "get", lambda *a, **k: type("R", (), {"ok": True, "text": "# nothing"})())
+    assert server.route_phases("http://x") is None  # no skipper, or no --enable-metrics
 
 
 def test_teacher_forced_loads_a_checkpoint_against_its_own_base(tmp_path):

@@ -38,13 +38,37 @@ def heldout_prompts(sets: list[str], limit: int | None = None) -> list[dict]:
     return out
 
 
-def _skip_counts(model) -> tuple[int, int]:
-    if not hasattr(model, "vskipper"):
-        return 0, 0
-    import vskipper
+class PositionRoutes:
+    """The route decisions of a transformed model's forwards over one sequence, per position, read from
+    the inputs of its route counters (a forward pre-hook each; no skipper: nothing recorded). `split(n,
+    length)` -> {"prompt": (skipped, decisions), "generated": (...)}: positions t < n, and the generated
+    ones (vskipper.training.data.generated); a sublayer skipper's decisions are two per token."""
 
-    st = vskipper.stats(model, reset=True)  # a sublayer skipper's counts are sublayer decisions, two per token
-    return sum(s["project"] for s in st.values()), sum(s["run"] + s["project"] for s in st.values())
+    def __init__(self, model) -> None:
+        self.runs: list[torch.Tensor] = []
+        counters = getattr(getattr(model, "vskipper", None), "counters", None)
+        self.hooks = [c.register_forward_pre_hook(self._hook) for c in (counters or {}).values()]
+
+    def _hook(self, module, args) -> None:
+        run, valid = args[0], args[1]  # run [1, S] (a sublayer skipper's [1, S, 2]), valid [1, S]
+        if valid.shape[0] != 1 or not valid.all():
+            raise ValueError("PositionRoutes: one unpadded sequence per forward")
+        self.runs.append(run.reshape(valid.shape[1], -1))  # [S, decisions per token]
+
+    def split(self, n: int, length: int) -> dict[str, tuple[int, int]]:
+        from vskipper.training.data import generated
+
+        masks = {"prompt": torch.arange(length) < n, "generated": generated(n, length)}
+        out = {}
+        for name, m in masks.items():
+            rows = [r[m] for r in self.runs]
+            out[name] = (sum(int((~r).sum()) for r in rows), sum(r.numel() for r in rows))
+        self.runs = []
+        return out
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
 
 
 @torch.no_grad()
@@ -59,28 +83,37 @@ def teacher_forced(base: nn.Module, model: nn.Module, seqs: list[list[int]], n_p
 
     Returns {"top1": [...], "kl": [...], "positions": [...]} per prompt (prompts without answer
     tokens left out), their means over prompts with standard errors (top1_mean, top1_stderr,
-    kl_mean, kl_stderr), and "skip": the model's PROJECT share over routed-layer token work on
-    these sequences (None for a model without a skipper)."""
+    kl_mean, kl_stderr), and the model's PROJECT share of routed-layer work on these sequences (None for
+    a model without a skipper): "skip" over every position, "skip_prompt" over the prompts' positions,
+    "skip_generated" over the generated ones (the answer's tokens a generation feeds back,
+    vskipper.training.data.generated: what its decode would route)."""
     from vskipper.eval.scoring import mean_stderr
 
     top1, kl, positions = [], [], []
-    _skip_counts(model)  # reset
-    project = tokens = 0
-    for seq, n in zip(seqs, n_prompt):
-        if len(seq) <= n:
-            continue
-        ids = torch.tensor([seq], dtype=torch.long)
-        p = torch.log_softmax(base(ids).logits[0, n - 1: len(seq) - 1].float(), -1)
-        q = torch.log_softmax(model(ids).logits[0, n - 1: len(seq) - 1].float(), -1)
-        pr, tk = _skip_counts(model)
-        project, tokens = project + pr, tokens + tk
-        top1.append(float((q.argmax(-1) == p.argmax(-1)).float().mean()))
-        kl.append(float((p.exp() * (p - q)).sum(-1).mean()))
-        positions.append(len(seq) - n)
+    counts = {"all": [0, 0], "prompt": [0, 0], "generated": [0, 0]}
+    routes = PositionRoutes(model)
+    try:
+        for seq, n in zip(seqs, n_prompt):
+            if len(seq) <= n:
+                continue
+            ids = torch.tensor([seq], dtype=torch.long)
+            p = torch.log_softmax(base(ids).logits[0, n - 1: len(seq) - 1].float(), -1)
+            q = torch.log_softmax(model(ids).logits[0, n - 1: len(seq) - 1].float(), -1)
+            counts["all"][0] += sum(int((~r).sum()) for r in routes.runs)
+            counts["all"][1] += sum(r.numel() for r in routes.runs)
+            for name, (k, d) in routes.split(n, len(seq)).items():
+                counts[name][0] += k
+                counts[name][1] += d
+            top1.append(float((q.argmax(-1) == p.argmax(-1)).float().mean()))
+            kl.append(float((p.exp() * (p - q)).sum(-1).mean()))
+            positions.append(len(seq) - n)
+    finally:
+        routes.remove()
     t_mean, t_se = mean_stderr(top1)
     k_mean, k_se = mean_stderr(kl)
+    skip = {f"skip{'' if name == 'all' else '_' + name}": k / d if d else None for name, (k, d) in counts.items()}
     return {"n": len(top1), "top1_mean": t_mean, "top1_stderr": t_se, "kl_mean": k_mean, "kl_stderr": k_se,
-            "skip": project / tokens if tokens else None, "top1": top1, "kl": kl, "positions": positions}
+            **skip, "top1": top1, "kl": kl, "positions": positions}
 
 
 def is_checkpoint(path) -> bool:

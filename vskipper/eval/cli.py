@@ -198,6 +198,16 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
                   _num("{:.4f}")(t["kl_stderr"]), str(t["n"]))]
         if t.get("skip") is not None:
             rows.append(("teacher-forced skip share (routed-layer token work)", _pct(t["skip"]), "-", str(t["n"])))
+            for name in ("prompt", "generated"):
+                if t.get(f"skip_{name}") is not None:
+                    rows.append((f"teacher-forced skip share, {name} tokens", _pct(t[f"skip_{name}"]), "-",
+                                 str(t["n"])))
+    for part, what in (("tasks", "lm-eval tasks"), ("agreement", "greedy agreement")):
+        sk = (results.get("server_skip") or {}).get(part)
+        for name in ("prompt", "generated"):
+            if sk and sk.get(name) is not None:
+                rows.append((f"server skip share, {name} tokens ({what})", _pct(sk[name]), "-",
+                             f"{sk[f'{name}_tokens']:.0f} routed-layer tokens"))
     return rows
 
 
@@ -271,6 +281,10 @@ def _run(args: argparse.Namespace, plan: dict, log: _Log, servers: list) -> dict
     tok = _tokenizer(tok_path)
     results["tokenizer"] = str(tok_path)
 
+    # --- the evaluated server's skip by phase, around each part that asks it (its /metrics) ------------
+    phases = {"start": srv.route_phases(model_root)} if model_root is not None else {}
+    results["server_skip"] = {}
+
     # --- lm-eval ---------------------------------------------------------------------------------
     if plan["tasks"]:
         import asyncio
@@ -295,6 +309,8 @@ def _run(args: argparse.Namespace, plan: dict, log: _Log, servers: list) -> dict
             raise srv.EvalError(f"lm-eval lost the server at {model_root}: {type(e).__name__}: {e}") from None
         timings["lm_eval"] = log.since(t)
         log(f"lm-eval: done in {timings['lm_eval']:.0f} s")
+        phases["tasks"] = srv.route_phases(model_root)
+        results["server_skip"]["tasks"] = srv.phase_shares(phases["start"], phases["tasks"])
 
     # --- greedy agreement with the base server ----------------------------------------------------
     records = prompts = None
@@ -309,7 +325,9 @@ def _run(args: argparse.Namespace, plan: dict, log: _Log, servers: list) -> dict
         t = time.perf_counter()
         log(f"greedy agreement: {len(prompts)} held-out prompts ({', '.join(plan['sets'])}), at most "
             f"{args.max_new_tokens} new tokens, answered by {model_root} and by the base at {base_root}")
+        before = srv.route_phases(model_root)
         mine = srv.greedy(model_root, prompts, args.max_new_tokens, log=log)
+        results["server_skip"]["agreement"] = srv.phase_shares(before, srv.route_phases(model_root))
         base = srv.greedy(base_root, prompts, args.max_new_tokens, log=log)
         a = agreement(mine, base)
         results["agreement"] = {k: v for k, v in a.items() if k != "prefix"} | {"prompt_sets": plan["sets"],

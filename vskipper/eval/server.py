@@ -7,6 +7,7 @@
     launch_server `vskipper serve` as a subprocess on a free port (start_server: and wait until ready)
     model_info   the served model's name and tokenizer path (GET /v1/models, /get_model_info)
     greedy       greedy answers to token-id prompts through SGLang's native /generate
+    route_phases the server's routed-layer tokens by phase and route, from its /metrics
 """
 from __future__ import annotations
 
@@ -108,6 +109,44 @@ def greedy(root: str, prompts: list[list[int]], max_new_tokens: int, concurrency
             if log and (done % 10 == 0 or done == len(prompts)):
                 log(f"  {root}: {done}/{len(prompts)} answers, {time.perf_counter() - t0:.0f} s")
     return out  # type: ignore[return-value]
+
+
+PHASE_METRIC = "vskipper_routed_layer_phase_tokens_total"  # vskipper/integrations/sglang/runtime.py
+
+
+def route_phases(root: str) -> dict[str, dict[str, float]] | None:
+    """{phase: {route: tokens}} (phase prefill / decode, route run / project) summed over the routed layers,
+    from the server's /metrics; None where it exports none (no skipper, started without --enable-metrics,
+    or not an SGLang server with vskipper). The server exports its counts every few decode steps, so a
+    reading can miss the last steps before it."""
+    import re
+
+    import requests
+
+    try:
+        r = requests.get(f"{root}/metrics", timeout=10)
+    except requests.RequestException:
+        return None
+    if not r.ok:
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for m in re.finditer(rf"^{PHASE_METRIC}\{{([^}}]*)\}} (\S+)$", r.text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out.setdefault(labels.get("phase", "?"), {})[labels.get("route", "?")] = float(m.group(2))
+    return out or None
+
+
+def phase_shares(before: dict | None, after: dict | None) -> dict[str, float | None] | None:
+    """The skipped share per phase between two route_phases readings ({"prompt": ..., "generated": ...},
+    None for a phase with no token in between); None without both readings."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for phase, name in (("prefill", "prompt"), ("decode", "generated")):
+        d = {k: after.get(phase, {}).get(k, 0.0) - before.get(phase, {}).get(k, 0.0) for k in ("run", "project")}
+        out[name] = d["project"] / (d["run"] + d["project"]) if d["run"] + d["project"] > 0 else None
+        out[f"{name}_tokens"] = d["run"] + d["project"]
+    return out
 
 
 def free_port(low: int = 12000, high: int = 21999) -> int:
@@ -214,6 +253,8 @@ def launch_server(name: str, *, model_path: str | None, skipper: str | None, exe
     port = free_port()
     if "--sleep-on-idle" not in extra:  # an idle server (the base, while the model works) stays off the CPU
         extra.append("--sleep-on-idle")
+    if "--enable-metrics" not in extra:  # its skip by phase (route_phases)
+        extra.append("--enable-metrics")
     ns = _ServeArgs(skipper=skipper, model_path=model_path, execution=execution)
     cmd = serve_command(ns, ["--port", str(port), *extra])
     env = ns._env
