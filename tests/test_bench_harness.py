@@ -379,12 +379,15 @@ def test_demo_verdict_from_step_rounds_and_quality():
     d = demo.step_deltas(step_s)["decode"][32]
     assert abs(d["trained-auto"].median + 0.1) < 1e-9 and d["trained-auto"].hi < 0  # resolved: 0.90x
     assert d["skip0.5-auto"].lo < 0 < d["skip0.5-auto"].hi  # noisy rounds: not resolved
-    base = {"facts": 0.50, "facts_stderr": 0.05, "prefix_mean": 32.0}
-    same = {"facts": 0.47, "facts_stderr": 0.05, "prefix_mean": 20.5}
-    drifts = {"facts": 0.47, "facts_stderr": 0.05, "prefix_mean": 2.0}
+    base = {"facts": 0.50, "facts_stderr": 0.05, "prefix_mean": 24.0}
+    same = {"facts": 0.47, "facts_stderr": 0.05, "prefix_mean": 10.0}  # the card's bar: 20 of 48, 10 of 24
+    drifts = {"facts": 0.47, "facts_stderr": 0.05, "prefix_mean": 9.9}
     worse = {"facts": 0.30, "facts_stderr": 0.05, "prefix_mean": 3.0}
-    assert demo.sentence(d["trained-auto"], None, same, base).startswith("faster and as good")
-    assert demo.sentence(d["trained-auto"], None, drifts, base).startswith("faster, but its answers are not the base")
+    said = demo.sentence(d["trained-auto"], None, same, base)
+    assert said.startswith("faster and keeps the base model's answers as the card's bar asks"), said
+    assert "(the bar 10.0)" in said
+    said = demo.sentence(d["trained-auto"], None, drifts, base)
+    assert said.startswith("faster, but its answers are not the base") and "under the card's bar of 10.0" in said
     assert demo.sentence(d["trained-auto"], None, worse, base).startswith("faster and worse by 20% on the facts task")
     assert demo.sentence(d["skip0.5-auto"], None, same, base).startswith("not resolved")
     assert "speed bound" in demo.sentence(d["trained-auto"], None, None, base)
@@ -470,3 +473,55 @@ def test_engine_step_compares_each_skipper_with_its_own_rate_0():
             sk = vskipper.parse_skipper(spec)
             assert sk.sublayers and (sk.attn_rate > 0) == ("attn" in name or "both" in name), name
             assert (name in FIXED_SHAPES) == name.endswith("-fixed")
+
+
+def test_demo_leaves_the_checkout_as_it_found_it_unless_asked(tmp_path, monkeypatch):
+    """`make demo` (no --docs): results and the runs kept under out/, the README and docs/results untouched;
+    --docs: the page, the runs beside it and the README's block; --docs DIR: there, the README left alone."""
+    import types
+
+    from benchmarks import demo
+    from benchmarks import results as R
+    from benchmarks.serving import quick, servers
+    from vskipper import first_start
+    from vskipper.models import smollm2
+
+    docs, readme = tmp_path / "checkout" / "docs" / "results", tmp_path / "checkout" / "README.md"
+    docs.mkdir(parents=True)
+    readme.write_text(f"# x\n{demo.README_BEGIN}\nold\n{demo.README_END}\n")
+    monkeypatch.setattr(R, "DOCS", docs)
+    monkeypatch.setattr(demo, "README", readme)
+    monkeypatch.setattr(first_start, "ensure_calibration", lambda *a, **k: None)
+    monkeypatch.setattr(smollm2, "smollm2_dir", lambda: tmp_path)
+    monkeypatch.setattr(servers, "default_systems", lambda: [types.SimpleNamespace(name=n) for n in
+                                                             ("upstream", "vskipper-trained", "vskipper")])
+    up = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
+    times = {"upstream": up, "rate0-auto": up, "trained-auto": [0.9 * t for t in up],
+             "skip0.5-auto": [0.8 * t for t in up]}
+    step_s = {"decode": {"8": times, "32": times}, "prefill": {"1": times}}
+    fractions = {"trained-auto": 0.16, "skip0.5-auto": 0.5}
+    monkeypatch.setattr(demo, "run_step", lambda args, out: (step_s, {"decode": {"8": fractions, "32": fractions},
+                                                                      "prefill": {"1": fractions}}))
+    q = {"facts": 0.5, "facts_stderr": 0.1, "prefix_mean": 12.0, "prefix_mean_stderr": 1.0, "identical": 0.2}
+
+    def serve(systems, settings, out, **kw):
+        d = {"median": 0.1, "lo": 0.05, "hi": 0.15, "ratios": [1.1] * 3}
+        R.write_results("demo-serving", {"quality": {"upstream": {**q, "prefix_mean": 24.0},
+                                                     "vskipper-trained": q},
+                                         "deltas": {"concurrency 32": {n: {"tok_s": d} for n in demo.SERVING.values()}},
+                                         "orders": [1, 2, 3]}, "", out)
+
+    monkeypatch.setattr(quick, "run", serve)
+    before = sorted(p.name for p in docs.rglob("*"))
+    demo.main(["--out", str(tmp_path / "out")])
+    assert readme.read_text() == f"# x\n{demo.README_BEGIN}\nold\n{demo.README_END}\n"
+    assert sorted(p.name for p in docs.rglob("*")) == before
+    assert (tmp_path / "out" / "results.json").is_file() and len(list((tmp_path / "out" / "runs").iterdir())) == 1
+    elsewhere = tmp_path / "pages"
+    demo.main(["--out", str(tmp_path / "out"), "--docs", str(elsewhere)])
+    assert (elsewhere / "demo.md").is_file() and (elsewhere / "demo-runs").is_dir()
+    assert "old" in readme.read_text()
+    demo.main(["--out", str(tmp_path / "out"), "--docs"])
+    page = (docs / "demo.md").read_text()
+    assert "| 16.0% | 16.0% |" in page and "keeps the base model's answers" in page
+    assert "old" not in readme.read_text() and "| 1 |" in readme.read_text()
