@@ -49,7 +49,7 @@ __all__ = ["simulate"]
 
 class _Req:
     __slots__ = ("i", "arrival", "prompt", "target", "max_new", "ign", "out", "fill", "done", "d0", "c", "R",
-                 "gen", "running", "long", "segs", "first", "last", "finish_d")
+                 "gen", "running", "long", "segs", "finish_d")
 
     def __init__(self, i: int, r: Request):
         self.i, self.arrival, self.prompt = i, r.arrival, r.prompt
@@ -61,8 +61,7 @@ class _Req:
         self.gen = 0  # bumped on retraction: finish-table entries of an older life are stale
         self.running = False
         self.long = False
-        self.segs: list = []  # per life: [first token's step, first decode index, last decode index]
-        self.first = self.last = None
+        self.segs: list = []  # per life: [its first token's emission time, first decode index, last decode index]
 
 
 def simulate(requests: list[Request], steps: StepModel, host: Host | None = None,
@@ -382,9 +381,8 @@ class _Sim:
                     r.segs[-1][0] = batch[1] if not self.h.serial else t
                 if result_only:
                     continue
-                if r.running and r.finish_d == r.d0 - 1:
+                if r.running and r.finish_d == r.d0 - 1:  # its one token of this life was the prefill's
                     self._leave(r)
-                    r.last = r.segs[-1][0]
                     finished += 1
             return finished
         d = batch[1]
