@@ -150,6 +150,9 @@ def main(argv=None) -> None:
     ap.add_argument("--taus", type=float, nargs="+", default=list(TAUS),
                     help="the oracle's KL budgets, nats per generated token (default %(default)s)")
     ap.add_argument("--influence-prompts", type=int, default=64, help="training prompts for ShortGPT's influence")
+    ap.add_argument("--reuse-oracle", metavar="DIR", help="an earlier run's --out: its identity oracle's rows are "
+                                                          "taken as they are (same --limit, --max-new-tokens and "
+                                                          "--taus, or refused), and not computed again")
     ap.add_argument("--quick", action="store_true", help="a look, not a result: 4 prompts a set, budgets 0.01, 0.05")
     ap.add_argument("--threads", type=int)
     res.add_arguments(ap, "quality-curve-bound")
@@ -212,9 +215,11 @@ def main(argv=None) -> None:
                                                                           "generated only"),
                                       ("trained-prompt", "prompt", "prompt only")):
                 add(kind, f"{spec}, {what}", f"threshold {t:g}", stack, router_decide(sk, where))
+    reused = _reused(args)
+    rows += reused
     for kind, stack, what in (("oracle", plain, "identity"), ("oracle-adapters", Stack(base, layers, adapters),
                                                              f"adapters of {args.adapters}")):
-        if kind == "oracle-adapters" and adapters is None:
+        if (kind == "oracle-adapters" and adapters is None) or (kind == "oracle" and reused):
             continue
         t = time.perf_counter()
         for s in Oracle(stack, seqs).run(args.taus):
@@ -225,6 +230,28 @@ def main(argv=None) -> None:
     res.write_results("quality-curve-bound", {"rows": rows, "influence": influence, "args": vars(args),
                                               "sequences": len(seqs), "seconds": time.perf_counter() - t0}, md,
                       args.out, res.docs_dir(args))
+
+
+def _reused(args) -> list[dict]:
+    """The identity oracle's rows of --reuse-oracle's run; SystemExit naming the flag if it was not run alike."""
+    import json
+    from pathlib import Path
+
+    if not args.reuse_oracle:
+        return []
+    f = Path(args.reuse_oracle) / "results.json"
+    try:
+        rec = json.loads(f.read_text())["results"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--reuse-oracle {args.reuse_oracle}: no results.json of benchmarks.quality_oracle ({e})")
+    then = {k: rec["args"].get(k) for k in ("limit", "max_new_tokens", "taus", "layers")}
+    now = {k: getattr(args, k) for k in then}
+    if then != now:
+        raise SystemExit(f"--reuse-oracle {args.reuse_oracle}: that run's settings {then} are not these {now}")
+    rows = [r for r in rec["rows"] if r["kind"] == "oracle"]
+    if not rows:
+        raise SystemExit(f"--reuse-oracle {args.reuse_oracle}: that run has no identity oracle's rows")
+    return rows
 
 
 if __name__ == "__main__":
