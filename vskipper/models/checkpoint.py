@@ -84,6 +84,11 @@ def skipper_fields(cfg: dict, path) -> dict:
     if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
                                  or not 0 <= expected <= 1):
         raise CheckpointError(f"{where}: config.json expected_run_fraction={expected!r} must be a number in [0, 1]")
+    threshold = cfg.get("router_threshold")  # a FlexiDepth router's threshold for this skipper (absent: 0.5)
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not 0 <= threshold <= 1):
+        raise CheckpointError(f"{where}: config.json router_threshold={threshold!r} must be a number in [0, 1] "
+                              f"(a token RUNs a layer when its gate is above it)")
     eps = cfg.get("rms_norm_eps", 1e-6)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
         raise CheckpointError(f"{where}: config.json rms_norm_eps={eps!r} must be a positive number")
@@ -99,6 +104,7 @@ def skipper_fields(cfg: dict, path) -> dict:
         "router_reduction_factor": _int_field(cfg, "router_reduction_factor", where, 16),
         "proj_reduction_factor": _int_field(cfg, "proj_reduction_factor", where, 16),
         "expected_run_fraction": None if expected is None else float(expected),
+        "threshold": None if threshold is None else float(threshold),
     }
 
 

@@ -179,11 +179,13 @@ class FlexiDepth(Skipper):
     def from_fields(cls, f: Mapping, gate: str | None = None, threshold: float | None = None) -> "FlexiDepth":
         """A FlexiDepth (weights not loaded yet) from the validated skipper fields of a skip-aware
         config.json (`vskipper.models.checkpoint.skipper_fields`): what every loader builds before it
-        reads the tensors. `gate` overrides the checkpoint's gate_mode; `threshold` FlexiDepth's 0.5
-        (a token RUNs a layer when g > threshold: a higher one skips more, a lower one runs more)."""
+        reads the tensors. `gate` overrides the checkpoint's gate_mode; `threshold` the checkpoint's
+        router_threshold, else FlexiDepth's 0.5 (a token RUNs a layer when g > threshold: a higher one
+        skips more, a lower one runs more)."""
+        if threshold is None:
+            threshold = 0.5 if f.get("threshold") is None else f["threshold"]
         return cls(f["routing_layers"], hidden_size=f["hidden_size"], intermediate_size=f["intermediate_size"],
-                   rms_norm_eps=f["rms_norm_eps"], gate=gate or f["gate_mode"],
-                   threshold=0.5 if threshold is None else threshold,
+                   rms_norm_eps=f["rms_norm_eps"], gate=gate or f["gate_mode"], threshold=threshold,
                    router_reduction_factor=f["router_reduction_factor"],
                    proj_reduction_factor=f["proj_reduction_factor"], expected_run_fraction=f["expected_run_fraction"])
 

@@ -32,9 +32,11 @@ BASE_CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermedi
                     "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
-def write_skipper_dir(path, skipper, model_config, dtype: torch.dtype = torch.float32, **extra) -> Path:
+def write_skipper_dir(path, skipper, model_config, dtype: torch.dtype = torch.float32, threshold: float | None = None,
+                      **extra) -> Path:
     """Write `skipper` (a FlexiDepth) for a model with `model_config` (a transformers config) as a
-    skipper directory; `extra` goes into config.json (e.g. how it was trained)."""
+    skipper directory; `threshold`: the router threshold it loads with (config.json router_threshold;
+    None: FlexiDepth's 0.5); `extra` goes into config.json (e.g. how it was trained)."""
     family = {"llama": "DDLlamaForCausalLM", "qwen3": "DDQwen3ForCausalLM"}.get(model_config.model_type)
     if family is None or family not in DD_ARCHITECTURES:
         raise TypeError(f"write_skipper_dir: unsupported model_type {model_config.model_type!r}")
@@ -45,6 +47,8 @@ def write_skipper_dir(path, skipper, model_config, dtype: torch.dtype = torch.fl
                router_reduction_factor=skipper.hidden_size // skipper.router_dim,
                proj_reduction_factor=skipper.intermediate_size // skipper.proj_dim,
                skipper_dtype=str(dtype).removeprefix("torch."), **extra)
+    if threshold is not None:
+        cfg["router_threshold"] = float(threshold)
     if skipper.expected_run_fraction is not None:
         cfg.setdefault("expected_run_fraction", skipper.expected_run_fraction)
     save_tensors({k: v.to(dtype) for k, v in skipper.flexidepth_state_dict().items()}, path / SKIPPER_FILE)
@@ -122,7 +126,8 @@ def build_checkpoint(dest_dir=None, skipper=DEFAULT, base_dir=None) -> Path:
     if model.config.num_hidden_layers != json.loads((sk_dir / "config.json").read_text())["num_hidden_layers"]:
         raise ValueError(f"skipper {sk_dir} was trained for another model than {base}")
     sk.check_model(model.config.num_hidden_layers, model.config.hidden_size)
-    trained = {k: v for k, v in json.loads((sk_dir / "config.json").read_text()).items() if k.startswith("vskipper_")}
+    trained = {k: v for k, v in json.loads((sk_dir / "config.json").read_text()).items()
+               if k.startswith("vskipper_") or k == "router_threshold"}
     save_checkpoint(dest, model, sk, **trained)
     for name in TOKENIZER_FILES:
         if (base / name).is_file():
