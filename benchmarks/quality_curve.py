@@ -249,8 +249,11 @@ def main(argv=None) -> None:
                     help="a trained skipper (a flexidepth spec), at each --thresholds; repeatable (default the "
                          "shipped one); the first one's routed layers are the baselines' too")
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.35, 0.4, 0.45, 0.5])
-    ap.add_argument("--baselines", type=float, nargs="+", default=[0.1, 0.15, 0.2, 0.3],
+    ap.add_argument("--baselines", type=float, nargs="*", default=[0.1, 0.15, 0.2, 0.3],
                     help="skip levels of RandomSkip and the static drop (default %(default)s)")
+    ap.add_argument("--merge", metavar="DIR", action="append", default=[],
+                    help="an earlier run's --out, measured on the same prompts and questions: its rows (all but the "
+                         "base's) join this run's page as they are; repeatable")
     ap.add_argument("--bound", metavar="DIR", help="benchmarks/quality_oracle.py's --out directory: its tables on "
                                                    "this page, its oracle on the figure")
     ap.add_argument("--sublayer-skipper", metavar="DIR", action="append", default=[],
@@ -285,6 +288,7 @@ def main(argv=None) -> None:
         if not isinstance(sk, vskipper.FlexiDepth):
             raise SystemExit(f"--skipper {spec!r}: expected a flexidepth spec (a trained router has a threshold)")
     bound = _bound(args.bound)  # refused before anything slow, as the rest
+    merged = [r for d in args.merge for r in _merged(d, args)]
     sublayer = [sublayer_checkpoint(d) for d in args.sublayer_skipper]
     layers = list(trained[0].layers)
     path = smollm2_dir()
@@ -321,6 +325,7 @@ def main(argv=None) -> None:
         rows.append({**evaluate(f"RandomSublayerSkip {a:.3f}, {m:.3f}",
                                 transformed(vskipper.RandomSublayerSkip(a, m, list(sk.layers), seed=0)), data, tok,
                                 args), "kind": "random-sublayer", "setting": f"attn_rate {a:.3f}, mlp_rate {m:.3f}"})
+    rows += merged
     if args.compare:
         rows.append({**evaluate(f"compared: {args.compare}", transformed(vskipper.parse_skipper(args.compare)), data,
                                 tok, args), "kind": "compared", "setting": args.compare})
@@ -336,7 +341,8 @@ def main(argv=None) -> None:
         f"{_pct(r['arith'])} +- {100 * r['arith_se']:.1f}", f"{_pct(r['facts'])} +- {100 * r['facts_se']:.1f}"]
         for r in rows]
     n = len(data["seqs"])
-    head = (f"Quality against skip, {', '.join(specs)} (routed layers {layers[0]}-{layers[-1]}), "
+    specs_shown = specs + [r["setting"].rsplit(", threshold", 1)[0] for r in merged if r["kind"] == "trained"]
+    head = (f"Quality against skip, {', '.join(dict.fromkeys(specs_shown))} (routed layers {layers[0]}-{layers[-1]}), "
             f"SmolLM2-135M-Instruct, fp32, in process. Skip is the PROJECT share of routed-layer work on generated "
             f"tokens unless it says otherwise: teacher-forced (tf) over the base's greedy answers to {n} held-out "
             f"chat prompts at the generated positions (the answer's tokens a generation feeds back) and, apart, "
@@ -368,6 +374,28 @@ def main(argv=None) -> None:
         figure(rows, docs / "quality-curve.png", oracle)
     res.write_results("quality-curve", {"rows": rows, "influence": influence, "args": vars(args)}, md, args.out,
                       docs)
+
+
+SAME_DATA = ("limit", "arithmetic", "facts", "max_new_tokens", "arith_tokens", "influence_prompts", "quick")
+
+
+def _merged(path, args) -> list[dict]:
+    """The rows (all but the base's) of an earlier run in `path`, measured on this run's prompts and questions
+    (SAME_DATA), or SystemExit naming the flag."""
+    import json
+    from pathlib import Path
+
+    try:
+        rec = json.loads((Path(path) / "results.json").read_text())
+        then = rec["results"]["args"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--merge {path}: no results.json of benchmarks.quality_curve there ({e})") from None
+    if rec.get("name") != "quality-curve":
+        raise SystemExit(f"--merge {path}: it holds {rec.get('name')!r}'s results, not the quality curve's")
+    diff = {k: (then.get(k), getattr(args, k)) for k in SAME_DATA if then.get(k) != getattr(args, k)}
+    if diff:
+        raise SystemExit(f"--merge {path}: measured on other prompts or questions {diff} (then, now)")
+    return [r for r in rec["results"]["rows"] if r["kind"] != "base"]
 
 
 def _bound(path) -> dict | None:

@@ -37,3 +37,19 @@ def test_figure_plots_trained_skippers_baselines_and_the_oracle(tmp_path):
     qc.figure(rows, tmp_path / "curve.png", bound)
     assert (tmp_path / "curve.png").stat().st_size > 10_000
     json.dumps(rows)  # what results.json holds
+
+
+def test_merge_takes_an_earlier_runs_rows_measured_on_the_same_data(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(limit=24, arithmetic=24, facts=80, max_new_tokens=48, arith_tokens=64,
+                              influence_prompts=64, quick=False)
+    rows = [_row("base", "-", None), _row("trained", "flexidepth:path=a, threshold 0.5", 0.12)]
+    R.write_results("quality-curve", {"rows": rows, "args": vars(args)}, "", tmp_path / "a")
+    assert qc._merged(tmp_path / "a", args) == rows[1:]  # the base is this run's own
+    other = argparse.Namespace(**{**vars(args), "facts": 339})
+    with pytest.raises(SystemExit, match=r"measured on other prompts or questions \{'facts': \(80, 339\)\}"):
+        qc._merged(tmp_path / "a", other)
+    R.write_results("demo", {}, "", tmp_path / "b")
+    with pytest.raises(SystemExit, match="not the quality curve's"):
+        qc._merged(tmp_path / "b", args)
