@@ -387,11 +387,11 @@ def _merged(path, args) -> list[dict]:
 
     try:
         rec = json.loads((Path(path) / "results.json").read_text())
-        then = rec["results"]["args"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         raise SystemExit(f"--merge {path}: no results.json of benchmarks.quality_curve there ({e})") from None
     if rec.get("name") != "quality-curve":
         raise SystemExit(f"--merge {path}: it holds {rec.get('name')!r}'s results, not the quality curve's")
+    then = rec["results"]["args"]
     diff = {k: (then.get(k), getattr(args, k)) for k in SAME_DATA if then.get(k) != getattr(args, k)}
     if diff:
         raise SystemExit(f"--merge {path}: measured on other prompts or questions {diff} (then, now)")
