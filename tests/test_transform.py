@@ -180,7 +180,7 @@ def test_explain_says_what_each_routed_layer_runs_and_why():
     m = transformed(base, sk, "routed", static_shapes=True)
     assert repr(m.vskipper) == vskipper.explain(m)
     assert "layers 0-2: routed (attention, MLP and adapter for their rows only), fixed shapes (torch ops; no " \
-           "host sync)  [execution='routed', static_shapes=True, impl='torch']" in repr(m.vskipper)
+           "host sync; prefill gathered)  [execution='routed', static_shapes=True, impl='torch']" in repr(m.vskipper)
     with pytest.raises(ValueError, match="vskipper.explain: this model was not transformed"):
         vskipper.explain(base)
 

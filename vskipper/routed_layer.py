@@ -147,10 +147,12 @@ def _what(kind: str) -> str:
 
 class RoutedBody(Body):
     """Dynamic shapes: finds its rows and slices to the real counts, read on the host (no route maps:
-    a step in which every row runs needs only the count)."""
+    a step in which every row runs needs only the count). `impl`: the attention ops' implementation,
+    where the engine attends gathered rows through one (SGLang's extend batches)."""
 
-    def __init__(self, kind: str = "routed") -> None:
+    def __init__(self, kind: str = "routed", impl: str = "torch") -> None:
         self.name = _kind(kind)
+        self.impl = impl
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
         hf = h.reshape(-1, h.shape[-1])  # [T, H]
@@ -164,7 +166,7 @@ class RoutedBody(Body):
         if self.name == "routed-mlp":
             a = layer.attention.attend_all(x, ctx).reshape(hf.shape).index_select(0, rr)  # [n, H]
         else:
-            a = layer.attention.attend_rows(x, rr, ctx)  # [n, H]; K/V written for all rows
+            a = layer.attention.attend_rows(x, rr, ctx, self.impl)  # [n, H]; K/V written for all rows
         if n_run:
             h1 = hf.index_select(0, rr) + a
             m = _mlp_rows(layer.mlp, layer.post_norm(h1), hf.shape[0])
@@ -221,7 +223,10 @@ class FixedRoutedBody(Body):
     "routed" needs an attention part with a fixed-shape masked form (AttentionPart.masks_rows). In
     Triton, on one rank, the MLP side (h + attention, both post-attention norms, the MLP of the RUN
     rows and the adapter of the PROJECT rows, the copy of the rest) is one pair of launches
-    (ops.routed_swiglu_); in torch, or under tensor parallelism, the grouped SwiGLU per cohort."""
+    (ops.routed_swiglu_); in torch, or under tensor parallelism, the grouped SwiGLU per cohort.
+    Prefill (an extend batch: never captured) gathers its rows and runs them through the engine's own
+    GEMMs (cuBLAS on a GPU), as RoutedBody does: on an H200, torch's GEMMs on the gathered rows took
+    0.57-0.93x the grouped SwiGLU's time at every T measured (docs/results/gpu-kernels.md)."""
 
     needs_maps = True
 
@@ -229,8 +234,11 @@ class FixedRoutedBody(Body):
         self.name = _kind(kind)
         self.impl = self.maps_impl = impl
         self.tuned = tuned
+        self.gathered = RoutedBody(kind, impl)
 
     def __call__(self, layer, h, x, g, run, valid, maps, ctx):
+        if not layer.attention.is_decode(x, ctx):
+            return self.gathered(layer, h, x, g, run, valid, None, ctx)
         run_rows, project_rows, counts = maps
         H = h.shape[-1]
         hf = h.reshape(-1, H)  # [T, H]
@@ -265,7 +273,7 @@ class FixedRoutedBody(Body):
         return out.view_as(h)
 
     def describe(self) -> str:
-        return f"{_what(self.name)}, fixed shapes ({self.impl} ops; no host sync)"
+        return f"{_what(self.name)}, fixed shapes ({self.impl} ops; no host sync; prefill gathered)"
 
 
 class AutoBody(Body):

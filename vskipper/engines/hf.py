@@ -91,8 +91,9 @@ class HFAttention(AttentionPart):
         t = proj(x).view(B, S, -1, self.attn.head_dim)
         return (norm(t) if norm is not None else t).transpose(1, 2)  # [B, heads, S, d]
 
-    def attend_rows(self, x, rows, ctx):
-        """K/V of every row into the cache; attention output [n, H] for flat rows `rows` of [B*S]."""
+    def attend_rows(self, x, rows, ctx, impl="torch"):
+        """K/V of every row into the cache; attention output [n, H] for flat rows `rows` of [B*S] (through
+        transformers' attention function: `impl` is not used)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         attn = self.attn

@@ -5,7 +5,7 @@ rows, H = hidden, I = MLP width. Every attention method writes K/V for EVERY row
 still feeds later tokens' attention); they differ in which rows get an attention output:
 
     attend_all(x, ctx)              -> [..., H]  every row, as the engine computes it
-    attend_rows(x, rows, ctx)       -> [n, H]    the flat rows `rows` only (dynamic shapes)
+    attend_rows(x, rows, ctx, impl) -> [n, H]    the flat rows `rows` only (dynamic shapes)
     attend_masked(x, run, ctx, impl, tuned)
                                     -> [T, H]    the rows with `run` set, fixed shapes, no host sync
                                                  at decode (CUDA graphs); other rows hold zeros
@@ -28,7 +28,8 @@ class AttentionPart(nn.Module):
     def attend_all(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend_rows(self, x: torch.Tensor, rows: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def attend_rows(self, x: torch.Tensor, rows: torch.Tensor, ctx: dict, impl: str = "torch") -> torch.Tensor:
+        """impl: the implementation of vskipper's attention ops, where the engine attends through one."""
         raise NotImplementedError
 
     def attend_masked(self, x: torch.Tensor, run: torch.Tensor, ctx: dict, impl: str,

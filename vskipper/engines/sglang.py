@@ -151,14 +151,15 @@ class SGLangAttention(AttentionPart):
                                          tuned=tuned)
         return o.reshape(q.shape[0], -1)
 
-    def attend_rows(self, x, rows, ctx):
-        """Attention output [n, H] for rows `rows` of [T]; K/V of every row written."""
+    def attend_rows(self, x, rows, ctx, impl="torch"):
+        """Attention output [n, H] for rows `rows` of [T]; K/V of every row written. In extend batches
+        through ops.routed_prefill_attention in `impl`."""
         fb = ctx["forward_batch"]
         if not fb.forward_mode.is_decode():
             if not self._routes_extend(fb):
                 return self.attend_all(x, ctx)[rows]
             run = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, rows, True)
-            o = self._extend_rows(x, run, rows, ctx, "torch")  # [T, nh * d]
+            o = self._extend_rows(x, run, rows, ctx, impl)  # [T, nh * d]
             return self._o_proj(o[rows]) if rows.numel() else x.new_zeros(0, x.shape[-1])
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
