@@ -98,7 +98,7 @@ def bench_attention(module, query, key, value, attention_mask, **kwargs):
     if not getattr(attention_mask, "vskipper_full", False):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     o = torch.nn.functional.scaled_dot_product_attention(  # q [B, nh, 1, d], k/v [B, kvh, C, d]
-        query, key, value, scale=kwargs.get("scaling"), enable_gqa=query.shape[1] != key.shape[1])
+        query, key, value, scale=kwargs.get("scaling"), enable_gqa=True)  # (also right for kvh == nh)
     return o.transpose(1, 2).contiguous(), None  # [B, 1, nh, d]
 
 
@@ -145,6 +145,39 @@ def transformed(base, skipper, execution: str, check_sync: bool = False, impl: s
     return vskipper.transform(sharing_copy(base), skipper, cfg)
 
 
+def regions(model) -> list:
+    """The modules a decode step of `model` runs that torch.compile compiles, one by one (regional
+    compilation: one decoder layer's code serves every layer): the base model's decoder layers and final
+    norm; a transformed model's too, and every module its traced stack calls (the input norms, routers and
+    routed layers; vskipper's ops inside them are custom ops, opaque to the compiler). Base and
+    transformed models are compiled at the same grain, so the small kernels fuse alike in both."""
+    inner = model.model
+    mods = list(inner.layers) + [inner.norm]
+    state = getattr(model, "vskipper", None)
+    for gm in (state.graphs if state is not None else ()):
+        mods += [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    out, seen = [], set()
+    for m in mods:
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def compile_regions(model, fullgraph: bool = True, backend: str = "inductor") -> int:
+    """torch.compile every region of `model` (`regions`) in place, dynamic in every dimension (so the
+    batch and context grid needs no recompile), fullgraph (a graph break fails instead of splitting
+    the region); returns how many. A decoder layer's index is read as a value, not a constant
+    (allow_unspec_int_on_nn_module), so that every layer reuses one compiled graph. Compilation
+    happens at the first call (Captured's warm-up, before capture)."""
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    mods = regions(model)
+    for m in mods:
+        m.compile(dynamic=None, fullgraph=fullgraph, backend=backend)
+    return len(mods)
+
+
 class PoolKV:
     """A fixed-address KV cache: per layer K and V [B, kvh, C, d], viewed out of one flat buffer per
     layer so that every (B, C) of a sweep reuses the same memory. A step writes its tokens' K/V at
@@ -154,29 +187,32 @@ class PoolKV:
 
     def __init__(self, shape: Shape, tokens: int, device, dtype) -> None:
         self.shape = shape
-        per = tokens * shape.kv_heads * shape.head_dim
-        self.flat = [(torch.zeros(per, device=device, dtype=dtype), torch.zeros(per, device=device, dtype=dtype))
-                     for _ in range(shape.layers)]
+        # one buffer per K and V for all layers, [L, per]: a layer's cache is a select by its index, which
+        # torch.compile traces with the index as a value (one compiled decoder layer serves all of them);
+        # one spare head of padding keeps every view's layer stride apart from its size (a view that
+        # filled the row would be contiguous, and a compiled layer would recompile for it)
+        per = (tokens + 1) * shape.kv_heads * shape.head_dim
+        self.flat_k = torch.zeros(shape.layers, per, device=device, dtype=dtype)
+        self.flat_v = torch.zeros(shape.layers, per, device=device, dtype=dtype)
+        self.device = self.flat_k.device
         self.positions = None
 
     def view(self, B: int, C: int, positions: torch.Tensor) -> "PoolKV":
         s = self.shape
         n = B * s.kv_heads * C * s.head_dim
-        if n > self.flat[0][0].numel():
-            raise ValueError(f"PoolKV holds {self.flat[0][0].numel()} values per layer, B={B} C={C} needs {n}")
-        self.kv = [(k[:n].view(B, s.kv_heads, C, s.head_dim), v[:n].view(B, s.kv_heads, C, s.head_dim))
-                   for k, v in self.flat]
+        if n > self.flat_k.shape[1]:
+            raise ValueError(f"PoolKV holds {self.flat_k.shape[1]} values per layer, B={B} C={C} needs {n}")
+        self.k, self.v = (f[:, :n].view(s.layers, B, s.kv_heads, C, s.head_dim) for f in (self.flat_k, self.flat_v))
         self.positions = positions  # [B, S]
         return self
 
     def randomize(self, seed: int = 0) -> None:
-        g = torch.Generator(device=self.flat[0][0].device).manual_seed(seed)
-        for k, v in self.kv:
-            k.normal_(0, 1, generator=g)
-            v.normal_(0, 1, generator=g)
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        self.k.normal_(0, 1, generator=g)
+        self.v.normal_(0, 1, generator=g)
 
     def update(self, k, v, layer_idx, *args, **kwargs):
-        K, V = self.kv[layer_idx]  # k, v [B, kvh, S, d]
+        K, V = self.k[layer_idx], self.v[layer_idx]  # [B, kvh, C, d]; k, v [B, kvh, S, d]
         idx = self.positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         K.scatter_(2, idx, k)
         V.scatter_(2, idx, v)
@@ -184,7 +220,7 @@ class PoolKV:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The cache length of the current view, a host int (the step attends every cached position)."""
-        return self.kv[layer_idx][0].shape[2]
+        return self.k.shape[3]
 
 
 class Step:
@@ -195,7 +231,7 @@ class Step:
     def __init__(self, model, kv: PoolKV, B: int, C: int, S: int = 1, full: bool = False) -> None:
         """full: every one of the C cached positions is attended (a decode step at position C - 1):
         the mask is then FULL, which the bench attention (below) reads as no mask at all."""
-        dev = kv.flat[0][0].device
+        dev = kv.device
         self.model, self.B, self.C = model, B, C
         self.ids = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.positions = torch.zeros(B, S, dtype=torch.long, device=dev)

@@ -5,6 +5,8 @@ torch forms (`torch_op`) work, and a launcher raises a ValueError that says how 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -59,6 +61,18 @@ def stages_for(dtype: torch.dtype, stages: int) -> int:
     """Pipeline stages for GEMM tiles of `dtype`: the configs are sized for 16-bit tiles (4 stages of
     a 64 x 64 + 64 x 128 tile is 96 KB in bf16); f32 tiles are twice that, so at most 2 stages."""
     return stages if dtype in (torch.float16, torch.bfloat16) else min(stages, 2)
+
+
+def eager_only(check):
+    """A check of an op's arguments, run eagerly and skipped while torch.compile traces: its messages
+    format the shapes they name, and formatting a symbolic size fixes it to the traced value (a compiled
+    region would then recompile for every batch size). The eager call of the same op has checked them."""
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return None
+        return check(*args, **kwargs)
+    return checked
 
 
 def expect(ok: bool, op: str, msg: str) -> None:
@@ -152,6 +166,7 @@ def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
+@eager_only
 def check_paged_kv(op: str, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                    req_to_token: torch.Tensor, q_legend: str) -> None:
     """What the paged attention ops share: q [rows, nh, d] and SGLang's KV pool, k_buffer and v_buffer

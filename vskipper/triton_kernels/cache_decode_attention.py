@@ -81,6 +81,7 @@ def _cache_decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, run_ptr, o_ptr, s
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
+@_common.eager_only
 def check(q, k_cache, v_cache, attended, run_mask) -> None:
     _common.check_dim(OP, "q", q, 3, "[B, nh, d]")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -26,6 +26,7 @@ from vskipper.triton_kernels._common import (
     check_inner_contiguous,
     check_launchable,
     dot_flags,
+    eager_only,
     expect,
     grouped_tile,
     stages_for,
@@ -136,6 +137,7 @@ def _down_combine_kernel(h_ptr, wd_ptr, out_ptr, res_ptr, rows_ptr, count_ptr, w
              mask=mask)
 
 
+@eager_only
 def check(out, residual, x, rows, count, w_gate, w_up, w_down, weight) -> None:
     op = "grouped_swiglu_"
     for name, t, legend in (("out", out, "[T, H]"), ("residual", residual, "[T, H]"), ("x", x, "[T, H]"),

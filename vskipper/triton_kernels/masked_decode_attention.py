@@ -62,6 +62,7 @@ def _masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, seq_p
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
+@_common.eager_only
 def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, run_mask) -> None:
     op = "masked_decode_attention"
     _common.check_paged_kv(op, q, k_buffer, v_buffer, req_to_token, "[B, nh, d]")

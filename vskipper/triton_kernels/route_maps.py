@@ -27,6 +27,7 @@ from vskipper.triton_kernels._common import (
     check_dim,
     check_dtype,
     check_launchable,
+    eager_only,
     expect,
     tl,
     triton,
@@ -153,6 +154,7 @@ def _compact_kernel(in_ptr, tok_ptr, valid_ptr, partial_ptr, run_rows_ptr, proj_
                 tl.store(counter_ptr + p * 3 + 2, tl.load(counter_ptr + p * 3 + 2) + on * bad_total)
 
 
+@eager_only
 def check(run_mask: torch.Tensor, valid: torch.Tensor | None) -> None:
     check_dim("route_maps", "run_mask", run_mask, 1, "[T]")
     check_dtype("route_maps", "run_mask", run_mask, (torch.bool,))
@@ -167,6 +169,7 @@ def _check_valid(op: str, x: torch.Tensor, valid: torch.Tensor | None) -> None:
     expect(x.shape[0] < 2**31, op, f"T = {x.shape[0]} rows do not fit int32 maps")
 
 
+@eager_only
 def check_route(x, token_ids, valid, counter, phase, mode: int, hash_params) -> None:
     """x [T]: the router's decisions (bool, mode DECISIONS) or gates (float, GATE), or the positions (int,
     HASH: RandomSkip's hash of x and token_ids with hash_params (key, cut, A, B, C1, C2, M32))."""

@@ -91,6 +91,7 @@ def _routed_prefill_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rpi_ptr, pre_
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=md_mask)
 
 
+@_common.eager_only
 def check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, run_mask) -> None:
     _common.check_paged_kv(OP, q, k_buffer, v_buffer, req_to_token, "[T, nh, d]")
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("extend_lens", extend_lens)):

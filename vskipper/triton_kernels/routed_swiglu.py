@@ -35,6 +35,7 @@ from vskipper.triton_kernels._common import (
     check_inner_contiguous,
     check_launchable,
     dot_flags,
+    eager_only,
     expect,
     grouped_tile,
     stages_for,
@@ -210,6 +211,7 @@ def _down_kernel(act_ptr, aact_ptr, wd_ptr, ad_ptr, out_ptr, h_ptr, a_ptr, run_r
                      tl.load(h_ptr + rows[:, None] * stride_h + offs_n[None, :], mask=mask, other=0.0), mask=mask)
 
 
+@eager_only
 def check(out, h, a, run_rows, project_rows, counts, mlp, adapter, norm_w, g, valid) -> None:
     T, H = h.shape if h.dim() == 2 else (0, 0)
     for name, t in (("out", out), ("h", h), ("a", a)):
