@@ -90,6 +90,13 @@ def test_serve_explicit_skipper_or_model_path_replaces_the_default(monkeypatch, 
     assert "VSKIPPER_SKIPPER" not in env  # a model path given: served as it is unless --skipper says otherwise
 
 
+def test_serve_passes_sglang_flags_that_prefix_its_own_to_sglang(monkeypatch):
+    """SGLang's --tp is a prefix of vskipper's --tpot-ms: it must reach SGLang, not turn elastic depth on."""
+    cmd, env = serve_env(monkeypatch, ["--tp", "2", "--thr", "x"])
+    assert cmd[cmd.index("--tp") + 1] == "2" and "--thr" in cmd
+    assert "VSKIPPER_TPOT_MS" not in env and "VSKIPPER_THRESHOLD" not in env
+
+
 def test_serve_threshold_and_autotune_settings(monkeypatch, capsys):
     from vskipper.integrations.sglang.settings import Settings
 

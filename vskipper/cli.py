@@ -31,9 +31,11 @@ def main(argv: list[str] | None = None) -> None:
 
         return calibrate_main(argv[1:])
     ap = argparse.ArgumentParser(prog="vskipper", description="Dynamic layer skipping for LLM serving",
-                                 epilog="also: vskipper calibrate [-h] ...")
+                                 epilog="also: vskipper calibrate [-h] ...", allow_abbrev=False)
     sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="launch SGLang with vskipper (any other flags go to SGLang)")
+    # no abbreviations: serve passes every flag it does not know to SGLang, and a prefix of one of its own
+    # (SGLang's --tp read as --tpot-ms) would silently change what is served
+    s = sub.add_parser("serve", help="launch SGLang with vskipper (any other flags go to SGLang)", allow_abbrev=False)
     s.add_argument("--skipper", help="skipper spec for a stock model, e.g. random:rate=0.5,layers=15-29,seed=0; "
                                      "'none' serves the model unchanged (default: the bundled model's shipped "
                                      "FlexiDepth skipper, flexidepth:name=smollm2-135m-flexidepth, when no "
