@@ -308,11 +308,13 @@ def main(argv=None) -> None:
             sk.threshold = t
             rows.append({**evaluate(f"{spec}, threshold {t:g}", transformed(sk), data, tok, args), "kind": "trained",
                          "setting": f"{spec}, threshold {t:g}"})
+    dropped = set()
     for rate in args.baselines:
         rows.append({**evaluate(f"RandomSkip {rate:g}", transformed(vskipper.RandomSkip(rate, layers, seed=0)),
                                 data, tok, args), "kind": "random", "setting": f"rate {rate:g}"})
         k = round(rate * len(layers))
-        if k:
+        if k and k not in dropped:  # levels a layer apart or less share their drop
+            dropped.add(k)
             drop = static_drop(influence, k)
             rows.append({**evaluate(f"static drop {drop}", transformed(vskipper.Static(drop)), data, tok, args,
                                     share=len(drop) / len(layers)),
