@@ -10,18 +10,22 @@
 #
 # Steps, each under its own time limit (seconds; also cut to what is left of the 535 s total):
 #   env        versions and the device; missing package or no GPU: a clear message, exit 2
-#   model  105 benchmarks/gpu/model_check.py: the transformed Llama-3-8B shape (random bf16 weights)
+#   model   60 benchmarks/gpu/model_check.py: the transformed Llama-3-8B shape (random bf16 weights)
 #              under CUDA graphs, RandomSkip and FlexiDepth hard/soft, replays vs eager; fp32
 #              greedy tokens vs the reference on a small model
-#   calibrate 80  vskipper calibrate --device cuda on one routed layer of the 8B shape (fewer
-#              rounds), then its table (benchmarks/step/calibration_table.py); `auto` in the next step uses it
-#   decode  60 benchmarks/gpu/decode.py: tok/s of base, dense, routed, auto, all captured, B 1..256,
-#              context 1024 and 4096, beside the bytes/FLOPs ideal
-#   kernels 55 benchmarks/gpu/kernel_timings.py with the untuned defaults (--untuned)
-#   tune    60 benchmarks/gpu/kernel_timings.py --tune: a thinned sweep at T in {64, 256}
-#   tuned   55 benchmarks/gpu/kernel_timings.py again, with the tuned table
-#   ops     55 tests/test_ops_compile.py: a routed body captured and replayed, torch.compile, opcheck
-#   props   65 tests/test_kernels.py: every kernel against its reference (HYPOTHESIS_PROFILE=cpu)
+#   calibrate 60  vskipper calibrate --device cuda on one routed layer of the 8B shape (fewer
+#              rounds), then its table (benchmarks/step/calibration_table.py); `auto` in decode uses it
+#   tune    60 benchmarks/gpu/kernel_timings.py --tune: the fused MLP side (routed_swiglu_) at T in
+#              {256, 1024}, a thinned sweep (the defaults always among the candidates)
+#   kernels 45 benchmarks/gpu/kernel_timings.py with the tuned table: every op against its torch form
+#              and cuBLAS on the gathered rows
+#   decode 150 benchmarks/gpu/decode.py: tok/s of base, dense, routed, auto, compiled and captured, over
+#              the B x C grid (capped by memory), beside the bytes/FLOPs ideal; tau and V*
+#   prefill 45 benchmarks/gpu/prefill.py: time to first token of 1k/4k/8k-token prompts, B in {1, 4}
+#   profile 30 benchmarks/gpu/profile.py: kernel time per part (router and maps, attention, MLP, adapter,
+#              grouped MLP side, other), base and routed, at two cells
+#   ops     35 tests/test_ops_compile.py: a routed body captured and replayed, torch.compile, opcheck
+#   props   50 tests/test_kernels.py: every kernel against its torch reference (HYPOTHESIS_PROFILE=cpu)
 # $OUT (default: a new temp dir): summary.md, logs/<step>.log, runs/<step>/results.json, results/*.md
 # (the pages: copy into docs/results/), cache/ (VSKIPPER_CACHE: the calibration and the tuned table),
 # vskipper/kernel_configs/<gpu>.json. Exit status: 0 if every step passed, 1 if any failed or timed
@@ -36,7 +40,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) SMOKE=1 ;;
         --only) ONLY=",${2:?--only needs a comma-separated list of steps},"; shift ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (expected --smoke, --only STEPS, --help)" >&2; exit 2 ;;
     esac
     shift
@@ -103,21 +107,21 @@ if [ "$SMOKE" -eq 1 ]; then
     SM=--smoke
     SHAPE=64,96,4,2
     DEVICE=cpu
-    TUNE="--max-candidates 2"
+    TUNE="--ops routed_swiglu_ --max-candidates 2"
     OPS_K="opcheck or zero_rows or cuda_graph"
     PROPS_K="route_maps_kernel and not multi_block"
 else
     SM=
     SHAPE=4096,14336,32,8
     DEVICE=cuda
-    TUNE="--tokens 64 256 --max-candidates 10"
+    TUNE="--tokens 256 1024 --ops routed_swiglu_ --max-candidates 8"
     OPS_K="not (torch_compile and cpu)"  # inductor on CPU needs a host C++ toolchain: not relied on here
     PROPS_K=""
 fi
 RUNS=$OUT/runs                   # every step's results.json in runs/<step>/, its page in results/
 PAGES=$OUT/results
 
-run model 105 "$PY" -m benchmarks.gpu.model_check $SM --out "$RUNS/model" --docs "$PAGES"
+run model 60 "$PY" -m benchmarks.gpu.model_check $SM --out "$RUNS/model" --docs "$PAGES"
 if [ "$SMOKE" -eq 1 ]; then  # the CLI's flags checked, then its measurement on a 2 x 3 grid (the full one: 80 s here)
     CALIBRATE="'$PY' -m vskipper.cli calibrate --help > /dev/null && '$PY' -c 'from vskipper import calibrate, cost
 cal, _ = calibrate.measure($SHAPE, device=\"cpu\", ts=(4, 16), fs=(0.0, 0.5, 1.0), repeats=1, passes=1, progress=False)
@@ -125,15 +129,16 @@ print(\"calibration cached in\", cost.save(cal))'"
 else
     CALIBRATE="'$PY' -m vskipper.cli calibrate --shape $SHAPE --device $DEVICE --repeats 2 --passes 1"
 fi
-run calibrate 80 bash -c "$CALIBRATE && '$PY' -m benchmarks.step.calibration_table --shape $SHAPE --device $DEVICE \
+run calibrate 60 bash -c "$CALIBRATE && '$PY' -m benchmarks.step.calibration_table --shape $SHAPE --device $DEVICE \
     --out '$RUNS/calibration' --docs '$PAGES'"
-run decode 60 "$PY" -m benchmarks.gpu.decode $SM --out "$RUNS/decode" --docs "$PAGES"
-run kernels 55 "$PY" -m benchmarks.gpu.kernel_timings $SM --untuned --out "$RUNS/kernels" --docs "$PAGES"
 run tune 60 bash -c "'$PY' -m benchmarks.gpu.kernel_timings $SM --tune '$VSKIPPER_CACHE/kernel_configs' $TUNE \
     && cp '$VSKIPPER_CACHE'/kernel_configs/*.json '$OUT/vskipper/kernel_configs/'"
-run tuned 55 "$PY" -m benchmarks.gpu.kernel_timings $SM --out "$RUNS/tuned" --docs "$PAGES"
-run ops 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_ops_compile.py -k "$OPS_K"
-run props 65 env HYPOTHESIS_PROFILE=cpu "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
+run kernels 45 "$PY" -m benchmarks.gpu.kernel_timings $SM --out "$RUNS/kernels" --docs "$PAGES"
+run decode 150 "$PY" -m benchmarks.gpu.decode $SM --out "$RUNS/decode" --docs "$PAGES"
+run prefill 45 "$PY" -m benchmarks.gpu.prefill $SM --out "$RUNS/prefill" --docs "$PAGES"
+run profile 30 "$PY" -m benchmarks.gpu.profile $SM --out "$RUNS/profile" --docs "$PAGES"
+run ops 35 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_ops_compile.py -k "$OPS_K"
+run props 50 env HYPOTHESIS_PROFILE=cpu "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
     ${PROPS_K:+-k "$PROPS_K"}
 
 echo

@@ -46,6 +46,12 @@ class Result:
     figure: str  # the figure people care about: TFLOP/s for GEMMs, GB/s for memory-bound ops
 
 
+# route and routed_swiglu_ are what a fixed-shape routed layer launches at decode (decisions + maps + counts;
+# the MLP side with the adapter's cohort); cache_decode_attention its attention on transformers' cache,
+# masked_decode_attention on SGLang's pool; route_maps and grouped_swiglu_ the unfused forms
+OPS = ("route", "routed_swiglu_", "cache_decode_attention", "masked_decode_attention", "route_maps", "grouped_swiglu_")
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.kernel_timings", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +62,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="decode context length for attention")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--run-fraction", type=float, default=0.75)
-    p.add_argument("--ops", nargs="+", default=["route_maps", "grouped_swiglu_", "masked_decode_attention"])
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     R.add_arguments(p, None)
     p.add_argument("--tune", type=Path, metavar="DIR", help="sweep configs and write a stamped table into DIR")
     p.add_argument("--max-candidates", type=int, default=0,
@@ -187,6 +193,33 @@ def case(op: str, T: int, n: int):
                                                            tuned=TUNED)), \
             None, \
             (lambda r: r), 4 * n * nh * C * d, 2 * n * C * kvh * d * k.element_size()
+    if op == "route":  # a router's gates: sanitized, thresholded, mapped and counted
+        gate = torch.rand(T, generator=g).to(DTYPE).to(DEV)
+        counter, phase = torch.zeros(2, 3, dtype=torch.int64, device=DEV), torch.tensor([0, 1], device=DEV)
+        return ((lambda impl: ops.route(gate, None, counter, phase, 0.5, impl=impl, tuned=TUNED)[2]), None,
+                (lambda r: r[2]), 0, T * (gate.element_size() + 1 + 2 * 4))
+    if op == "routed_swiglu_":  # n RUN rows through the MLP, T - n PROJECT rows through an I/16 adapter
+        Ia = max(1, I // 16)
+        h, a, out = rnd(g, T, H), rnd(g, T, H), rnd(g, T, H)
+        mlp = (rnd(g, I, H, scale=H ** -0.5), rnd(g, I, H, scale=H ** -0.5), rnd(g, H, I, scale=I ** -0.5))
+        ad = (rnd(g, Ia, H, scale=H ** -0.5), rnd(g, Ia, H, scale=H ** -0.5), rnd(g, H, Ia, scale=Ia ** -0.5))
+        nw, w = rnd(g, H).abs() + 0.5, torch.rand(T, generator=g).to(DTYPE).to(DEV)
+        maps = ops.route_maps(run, impl="torch")
+        pn = (~run).nonzero().squeeze(1)
+        hg, hp = (h + a).index_select(0, rn), h.index_select(0, pn)
+
+        def base():  # cuBLAS on exactly the rows of each cohort (their norms and combines not counted)
+            return ((F.silu(hg @ mlp[0].T) * (hg @ mlp[1].T)) @ mlp[2].T,
+                    (F.silu(hp @ ad[0].T) * (hp @ ad[1].T)) @ ad[2].T)
+        return (lambda impl: ops.routed_swiglu_(out, h, a, maps, mlp, ad, nw, 1e-5, w, None, impl=impl,
+                                                tuned=TUNED) or out), base, (lambda r: r.clone()), \
+            6 * H * (n * I + (T - n) * Ia), 3 * (I + Ia) * H * h.element_size()
+    if op == "cache_decode_attention":  # T rows over their own contiguous caches of --context positions
+        nh, kvh, d = ARGS.heads
+        C = ARGS.context
+        q, k, v = rnd(g, T, nh, d), rnd(g, T, kvh, C, d), rnd(g, T, kvh, C, d)
+        return (lambda impl: ops.cache_decode_attention(q, k, v, None, run, d ** -0.5, impl=impl, tuned=TUNED)), \
+            None, (lambda r: r), 4 * n * nh * C * d, 2 * n * C * kvh * d * k.element_size()
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -220,11 +253,12 @@ def table(results: list[Result]) -> str:
 
 # --- tuning ------------------------------------------------------------------------------------
 def gemm_candidates(bucket: int) -> list[dict]:
-    """A small sweep around the defaults: 32 configs per bucket (about a second each to compile)."""
+    """A sweep around the defaults (about a second each to compile; --max-candidates thins it evenly)."""
     m = min(max(bucket, 16), 128)
+    rows = sorted({m, max(16, m // 2)} | ({256} if bucket >= 1024 else set()))  # the cuBLAS-sized tile at T >= 1024
     return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": st}
-            for bm, bn, bk, w, st in itertools.product(sorted({m, max(16, m // 2)}), [64, 128], [64, 128], [4, 8],
-                                                       [3, 4])]
+            for bm, bn, bk, w, st in itertools.product(rows, [64, 128, 256], [32, 64, 128], [4, 8], [3, 4])
+            if bm * bn <= 128 * 256]
 
 
 def sweeps(op: str, bucket: int, best: dict) -> list[list[dict]]:
@@ -234,9 +268,13 @@ def sweeps(op: str, bucket: int, best: dict) -> list[list[dict]]:
     if op == "masked_decode_attention":
         return [[{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
                  for bn, w, st in itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3])]]
-    if op == "grouped_swiglu_":  # gate/up first (down at its default), then down
+    if op in ("grouped_swiglu_", "routed_swiglu_"):  # gate/up first (down at its default), then down
         return [[{"gate_up": c} for c in gemm_candidates(bucket)],
                 [{"down": c} for c in gemm_candidates(bucket)]]
+    if op == "cache_decode_attention":
+        return sweeps("masked_decode_attention", bucket, best)
+    if op == "route":
+        return sweeps("route_maps", bucket, best)
     return []
 
 
