@@ -96,7 +96,7 @@ def test_auto_uses_all_three_bodies_as_the_model_predicts():
         m = transformed(base, vskipper.RandomSkip(rate, [2]), "auto")
         chooser = m.vskipper.graphs[0].routed.get_submodule("2").body.chooser
         orig = chooser.choose
-        chooser.choose = lambda T, counts, *a: seen.append((T, orig(T, counts, *a))) or seen[-1][1]
+        chooser.choose = lambda T, counts, *a, **k: seen.append((T, orig(T, counts, *a, **k))) or seen[-1][1]
         return m
 
     with torch.no_grad():
@@ -165,14 +165,15 @@ def test_a_slow_spell_in_one_pass_does_not_move_the_calibration(monkeypatch):
         return {"dense": [2.0] * rounds, "routed": [1.0 * spell] * rounds, "routed-mlp": [1.5] * rounds}
 
     monkeypatch.setattr(calibrate, "side_by_side", fake)
-    cal, _ = measure(32, 48, 4, 2, ts=(1, 64, 128), fs=(0.5,), repeats=6, passes=3, progress=False)
+    cal, _ = measure(32, 48, 4, 2, ts=(1, 64, 128), fs=(0.5,), repeats=6, passes=3, contexts=(256,), progress=False)
     assert len(calls) == 9 and calls[:3] == [64, 2, 2]  # 6 rounds x 32/T below T=32, over 3 passes
     assert cal.dense == ((2.0,),) * 3 and cal.routed == ((1.0,),) * 3 and cal.routed_mlp == ((1.5,),) * 3
 
 
 def test_measure_a_tiny_grid():
-    cal, _ = measure(32, 48, 4, 2, ts=(1, 8), fs=(0.0, 1.0), repeats=2, progress=False)
+    cal, _ = measure(32, 48, 4, 2, ts=(1, 8), fs=(0.0, 1.0), repeats=2, contexts=(16, 64), progress=False)
     assert len(cal.dense) == 2 and len(cal.dense[0]) == 2 and all(t > 0 for row in cal.routed for t in row)
+    assert cal.contexts == (16, 64) and cal.by_context[0].ts == (1, 4) and cal.by_context[0].fs == cost.CONTEXT_F
     assert cost.load("cpu", 32, 48) is None  # measure alone caches nothing
     cost.save(cal)
     assert cost.load("cpu", 32, 48) == cal

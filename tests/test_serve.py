@@ -144,6 +144,13 @@ def test_serve_skipper_none_on_a_skip_aware_checkpoint_fails_naming_why(tmp_path
     assert e.value.code == 2 and "--skipper none cannot remove it" in capsys.readouterr().err
 
 
+def wait_line(path, text: str, timeout: float = 30) -> None:
+    """Until the log at `path` holds `text` (or `timeout` seconds have passed: the caller's asserts say why)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout and text not in path.read_text(errors="replace"):
+        time.sleep(0.5)
+
+
 def fresh_cache(tmp_path):
     """A vskipper cache with the bundled model already converted (linked) and nothing measured."""
     from vskipper.models.smollm2 import smollm2_dir
@@ -227,6 +234,7 @@ def test_serve_bundled_model_first_start_calibrates_then_reuses(tmp_path):
     proc, log, port = start_serve(tmp_path, "second", [], env)  # the same cache: nothing measured
     try:
         wait_healthy(port, proc)
+        wait_line(tmp_path / "second.log", "ready in")  # (its own /health poll may answer after ours)
     finally:
         text = stop_serve(proc, log)
     assert "no cost calibration for" not in text and "calibrate: decode pass" not in text, text[-3000:]

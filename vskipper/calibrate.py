@@ -3,7 +3,9 @@ this device, over a grid of batch sizes and RUN fractions, and cache the table (
 
 The layer is a transformers Llama decoder layer of the given shape with a FlexiDepth adapter,
 timed, the bodies side by side (see side_by_side), in each phase: a decode step (one new token per
-sequence over a `context`-token KV cache) and a prefill (an extend of one prompt of T tokens).
+sequence, each attending a KV cache of c resident tokens, over the context axis cost.GRID_C) and a
+prefill (an extend of one prompt of T tokens). The break-even resident K/V V* (cost.Calibration.
+break_even) is read off the decode table and printed for the batch sizes timed.
 With --sublayers it times a sublayer skipper's bodies instead (no adapter; attention and MLP decided
 apart, each with the cell's RUN fraction), cached beside the whole-layer tables: only a server of a
 sublayer skipper (SkipGPT) needs them, so a whole-layer calibration does not time them."""
@@ -26,7 +28,7 @@ class PoolCache:
     and on CPU those large fresh allocations page-fault, which would time glibc, not the layer)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v  # [T, kv_heads, context + 1, d]
+        self.k, self.v = k, v  # [T, kv_heads, context, d]: the new token's K/V go to the last position
 
     def update(self, k, v, layer_idx, *args, **kwargs):
         self.k[:, :, -1:].copy_(k)
@@ -62,11 +64,10 @@ class LayerBench:
         self.cfg._attn_implementation = "sdpa"
         self.layer = LlamaDecoderLayer(self.cfg, 0).to(device, dtype).eval()
         adapter = FlexiDepthAdapter(hidden, max(1, intermediate // 16)).to(device, dtype)
-        # the bodies as transform makes them on this device. transformers' attention has no fixed-shape
-        # masked form, so where shapes are fixed (CUDA) "routed" is timed with attention for every row,
-        # as "routed-mlp" is: the routed column then prices routed attention no cheaper than that.
+        # the bodies as transform makes them on this device: where shapes are fixed (CUDA) and an attention
+        # part had no fixed-shape masked form, "routed" would run attention for every row, as "routed-mlp"
         plan = resolve_plan(Config(execution="routed"), torch.device(device), hidden, intermediate, dtype)
-        routed = "routed-mlp" if plan.fixed_shapes else "routed"
+        routed = "routed-mlp" if plan.fixed_shapes and not HFAttention.masks_rows else "routed"
         if sublayers:  # a sublayer skipper's layer: hard-gated, no adapter
             adapter = None
             self.bodies = {"dense": SublayerDenseBody(), "routed": sublayer_routed_body(plan, routed),
@@ -83,15 +84,20 @@ class LayerBench:
         self._graphs: dict[str, tuple] = {}  # body name -> (body, graph, output), captured on _graph_args
         self._graph_args = None
 
-    def inputs(self, T: int, f: float, phase: str = "decode"):
+    def inputs(self, T: int, f: float, phase: str = "decode", context: int | None = None):
+        """A cell's inputs: a decode step of T rows, each attending `context` resident K/V tokens (its own
+        new one included; default the bench's), or (prefill) an extend of one prompt of T tokens."""
         if phase == "prefill":
             return self.prefill_inputs(T, f)
+        c = self.context if context is None else context
+        if c < 1:
+            raise ValueError(f"LayerBench.inputs: context={c!r}: expected an integer >= 1 (resident K/V tokens)")
         H, d = self.cfg.hidden_size, self.cfg.hidden_size // self.cfg.num_attention_heads
-        kv = torch.randn(T, self.cfg.num_key_value_heads, self.context + 1, d, device=self.device, dtype=self.dtype)
+        kv = torch.randn(T, self.cfg.num_key_value_heads, c, d, device=self.device, dtype=self.dtype)
         cache = PoolCache(kv, kv.clone())
         h = torch.randn(T, 1, H, device=self.device, dtype=self.dtype)
         run = self._run(T, f, (T, 1))
-        pos = torch.full((T, 1), self.context, device=self.device)
+        pos = torch.full((T, 1), c - 1, device=self.device)
         ctx = dict(attention_mask=None, position_embeddings=self.rope(h, pos), position_ids=pos,
                    past_key_values=cache, use_cache=True)
         return self._args(h, run, ctx)
@@ -229,50 +235,116 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
 BODIES = ("dense", "routed", "routed-mlp")  # what a calibration times, side by side
 
 
+def context_grid(ts, contexts, device, max_resident: int | None = None, context_ts=cost.CONTEXT_T,
+                 context_fs=cost.CONTEXT_F, fs=cost.GRID_F) -> list[tuple[int, tuple, tuple]]:
+    """The decode grid per context: [(context, ts, fs)]. The first context over the whole (ts, fs);
+    each further one over the batch sizes of `context_ts` within ts's range whose T x context is at
+    most `max_resident` (default cost.MAX_RESIDENT for the device type), at `context_fs`; a context
+    with fewer than two such batch sizes is left out (the table reads it linearly past the last)."""
+    contexts = sorted(set(int(c) for c in contexts))
+    if not contexts or contexts[0] < 1:
+        raise ValueError(f"contexts {contexts}: expected resident K/V tokens per row, integers >= 1")
+    cap = max_resident if max_resident is not None else cost.MAX_RESIDENT.get(torch.device(device).type,
+                                                                               cost.MAX_RESIDENT["cuda"])
+    grid = [(contexts[0], tuple(ts), tuple(fs))]
+    for c in contexts[1:]:
+        ts_c = tuple(T for T in context_ts if min(ts) <= T <= max(ts) and T * c <= cap)
+        if len(ts_c) >= 2:
+            grid.append((c, ts_c, tuple(context_fs)))
+    return grid
+
+
 def measure(hidden: int, intermediate: int, heads: int, kv_heads: int, device="cpu", dtype=torch.float32, ts=None,
-            fs=cost.GRID_F, repeats: int = 6, passes: int = 3, context: int = 128,
+            fs=cost.GRID_F, repeats: int = 6, passes: int = 3, contexts=None, max_resident: int | None = None,
             progress=True, phase: str = "decode", sublayers: bool = False) -> tuple[cost.Calibration, LayerBench]:
     """The calibration table: per cell, dense's lower quartile, and each routed body as that times
     its paired body/dense ratio (the ratio is what the choice needs; see side_by_side). The grid is
     swept `passes` times, each with its share of the rounds, and a cell's ratio is the median of
     its passes' ratios: measured here, a slow spell of the machine can move a cell's ratio by 30%
     (the bodies do not slow down alike), and a spell shorter than a sweep hits one pass only.
-    phase: "decode" (ts default cost.GRID_T) or "prefill" (cost.PREFILL_T). sublayers: time a sublayer
-    skipper's bodies, a cell's attention and MLP both at its f (LayerBench). A step is timed as the
-    server runs it (LayerBench.time): on CUDA a decode step as a CUDA-graph replay, otherwise eagerly."""
+    phase: "decode" (ts default cost.GRID_T; over the context axis `contexts`, default cost.GRID_C,
+    gridded by context_grid with `max_resident`) or "prefill" (cost.PREFILL_T; no context axis: one
+    prompt). sublayers: time a sublayer skipper's bodies, a cell's attention and MLP both at its f
+    (LayerBench). A step is timed as the server runs it (LayerBench.time): on CUDA a decode step as a
+    CUDA-graph replay, otherwise eagerly."""
     if phase not in cost.PHASES:
         raise ValueError(f"phase={phase!r} is not one of {list(cost.PHASES)}")
     ts = ts if ts is not None else cost.GRID_T if phase == "decode" else cost.PREFILL_T
     device = torch.device(device)
-    bench = LayerBench(hidden, intermediate, heads, kv_heads, device, dtype=dtype, context=context,
+    if phase == "decode":
+        grid = context_grid(ts, cost.GRID_C if contexts is None else contexts, device, max_resident, fs=fs)
+    else:
+        grid = [(0, tuple(ts), tuple(fs))]  # (an extend attends its own prompt: no context of its own)
+    bench = LayerBench(hidden, intermediate, heads, kv_heads, device, dtype=dtype, context=max(1, grid[0][0]),
                        sublayers=sublayers)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rng = random.Random(0)
-    rounds = {T: -(-repeats_at(T, repeats, short=32) // passes) for T in ts}  # per pass
-    dense = {(T, f): [] for T in ts for f in fs}
-    ratios = {(b, T, f): [] for b in BODIES[1:] for T in ts for f in fs}
-    work = [rounds[T] * (T + 8) for T in ts]  # a rough cost per row, for the ETA
-    t_start, done = time.perf_counter(), 0
+    # rounds per pass: more where a step is short (repeats_at), a step of T rows at context c as long as
+    # one of T c / c0 rows at the first context c0 (at long contexts the K/V reads are the step)
+    c0 = max(1, grid[0][0])
+    rounds = {(c, T): -(-repeats_at(max(1, T * max(c, c0) // c0), repeats, short=32) // passes)
+              for c, ts_c, _ in grid for T in ts_c}
+    cells = [(c, T, f) for c, ts_c, fs_c in grid for T in ts_c for f in fs_c]
+    dense = {cell: [] for cell in cells}
+    ratios = {(b, *cell): [] for b in BODIES[1:] for cell in cells}
+    work = {(c, T): rounds[c, T] * (T * (1 + c / 1024) + 8) * len(fs_c)  # a rough cost per row, for the ETA
+            for c, ts_c, fs_c in grid for T in ts_c}
+    t_start, done, total = time.perf_counter(), 0, passes * sum(work.values())
     for p in range(passes):
-        for i, T in enumerate(ts):
-            for f in fs:
-                s = side_by_side(bench, BODIES, bench.inputs(T, f, phase), sync, rounds[T], rng)
-                dense[T, f] += s["dense"]
-                for b in BODIES[1:]:
-                    ratios[b, T, f].append(paired_ratio(s, b, "dense"))
-            done += work[i]
-            if progress:
-                frac, el = done / (passes * sum(work)), time.perf_counter() - t_start
-                cols = "  ".join(f"{b}/dense {min(rs):.2f}-{max(rs):.2f}" for b in BODIES[1:]
-                                 for rs in [[r[-1] for (b2, t, _), r in ratios.items() if t == T and b2 == b]])
-                print(f"calibrate: {'sublayer ' if sublayers else ''}{phase} pass {p + 1}/{passes} T={T:<4} {cols}  "
-                      f"[{frac:.0%}, ETA {el / frac - el:.0f} s]", file=sys.stderr, flush=True)
-    d = tuple(tuple(lower_quartile(dense[T, f]) for f in fs) for T in ts)  # a neighbour's load only adds time
-    r = {b: tuple(tuple(d[i][j] * statistics.median(ratios[b, T, f]) for j, f in enumerate(fs))
-                  for i, T in enumerate(ts)) for b in BODIES[1:]}
+        for c, ts_c, fs_c in grid:
+            for T in ts_c:
+                for f in fs_c:
+                    s = side_by_side(bench, BODIES, bench.inputs(T, f, phase, context=c or None), sync,
+                                     rounds[c, T], rng)
+                    dense[c, T, f] += s["dense"]
+                    for b in BODIES[1:]:
+                        ratios[b, c, T, f].append(paired_ratio(s, b, "dense"))
+                done += work[c, T]
+                if progress:
+                    frac, el = done / total, time.perf_counter() - t_start
+                    cols = "  ".join(f"{b}/dense {min(rs):.2f}-{max(rs):.2f}" for b in BODIES[1:]
+                                     for rs in [[ratios[b, c, T, f][-1] for f in fs_c]])
+                    where = f" C={c:<5}" if phase == "decode" else ""
+                    print(f"calibrate: {'sublayer ' if sublayers else ''}{phase} pass {p + 1}/{passes}{where} "
+                          f"T={T:<4} {cols}  [{frac:.0%}, ETA {el / frac - el:.0f} s]", file=sys.stderr, flush=True)
+
+    def tables(c, ts_c, fs_c):
+        d = tuple(tuple(lower_quartile(dense[c, T, f]) for f in fs_c) for T in ts_c)  # a neighbour only adds time
+        r = {b: tuple(tuple(d[i][j] * statistics.median(ratios[b, c, T, f]) for j, f in enumerate(fs_c))
+                      for i, T in enumerate(ts_c)) for b in BODIES[1:]}
+        return d, r["routed"], r["routed-mlp"]
+
+    d, r, rm = tables(*grid[0])
+    more = tuple(cost.ContextTable(c, ts_c, fs_c, *tables(c, ts_c, fs_c)) for c, ts_c, fs_c in grid[1:])
     cal = cost.Calibration(cost.device_name(device), cost.versions(), hidden, intermediate, tuple(ts), tuple(fs), d,
-                           r["routed"], cost.dtype_name(dtype), r["routed-mlp"], phase, sublayers)
+                           r, cost.dtype_name(dtype), rm, phase, sublayers, grid[0][0], more)
     return cal, bench
+
+
+def break_even_line(cal: cost.Calibration, f: float, sizes=None) -> str:
+    """V*, the break-even resident K/V (tokens), per batch size: where the routed body starts to cost no
+    more than the dense one at RUN fraction f, read off the decode table's context axis."""
+    if cal.phase != "decode":
+        raise ValueError(f"break_even_line: a {cal.phase!r} table has no context axis")
+    if len(cal.contexts) < 2:
+        return (f"V*: not measured (the decode table has one context, {cal.context} tokens per row: run "
+                f"`vskipper calibrate` for its context axis)")
+    routed = "routed" if "routed" in cal.bodies() else "routed-mlp"
+    parts = [f"{T}:{format_tokens(cal.break_even(T, f, routed), T * cal.contexts[0], T * 64 * cal.contexts[-1])}"
+             for T in (sizes if sizes is not None else cal.ts)]
+    return (f"V* (resident K/V tokens from which routed costs no more than dense, at RUN fraction {f:g}; "
+            f"batch size:tokens) {' '.join(parts)}")
+
+
+def format_tokens(v: float | None, lo: int, hi: int) -> str:
+    """A break-even K/V volume in words: '<=2k' (pays at every context timed), '>1M' (not within the
+    search), '37k'."""
+    def k(n: float) -> str:
+        return f"{n / 2 ** 20:.1f}M" if n >= 2 ** 20 else f"{n / 1024:.0f}k" if n >= 1024 else f"{n:.0f}"
+
+    if v is None:
+        return "?"
+    return f"<={k(lo)}" if v == 0 else f">{k(hi)}" if v == float("inf") else k(v)
 
 
 def shape_of(model_path: str) -> tuple[int, int, int, int]:
@@ -300,6 +372,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-batch", type=int, default=None,
                     help="decode: time batch sizes of the grid up to this only (default: all, up to %d; beyond the "
                          "table the cost model scales its last row linearly)" % cost.GRID_T[-1])
+    ap.add_argument("--contexts", type=int, nargs="+", default=list(cost.GRID_C),
+                    help=f"decode: the context axis, resident K/V tokens per row (default: {list(cost.GRID_C)}); the "
+                         f"first is timed over the whole grid, the others over batch sizes {list(cost.CONTEXT_T)} "
+                         f"and RUN fractions {list(cost.CONTEXT_F)}")
+    ap.add_argument("--max-resident", type=int, default=None,
+                    help="decode: time only cells of at most this many resident K/V tokens, batch x context "
+                         "(default: %d on cuda, %d on cpu)" % (cost.MAX_RESIDENT["cuda"], cost.MAX_RESIDENT["cpu"]))
+    ap.add_argument("--run-fraction", type=float, default=0.5,
+                    help="the RUN fraction V* (the break-even resident K/V) is reported at (default: %(default)s)")
     ap.add_argument("--sublayers", action="store_true",
                     help="time a sublayer skipper's bodies (attention and MLP decided apart: SkipGPT) instead of "
                          "whole layers; cached beside the whole-layer tables")
@@ -338,11 +419,20 @@ def main(argv=None) -> None:
         if len(ts) < 2:
             ap.error(f"--max-batch {args.max_batch}: expected an integer >= {cost.GRID_T[1]} (two batch sizes of the "
                      f"grid {list(cost.GRID_T)} at least)")
+    if min(args.contexts) < 1:
+        ap.error(f"--contexts {args.contexts}: expected resident K/V tokens per row, integers >= 1")
+    if args.max_resident is not None and args.max_resident < 1:
+        ap.error(f"--max-resident {args.max_resident}: expected an integer >= 1")
+    if not 0.0 <= args.run_fraction <= 1.0:
+        ap.error(f"--run-fraction {args.run_fraction}: expected a number in [0, 1]")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     for phase in cost.PHASES if args.phase == "both" else (args.phase,):
         cal, _ = measure(*dims, device=device, dtype=dtype, repeats=args.repeats, passes=args.passes, phase=phase,
-                         ts=ts if phase == "decode" else None, sublayers=args.sublayers)
+                         ts=ts if phase == "decode" else None, sublayers=args.sublayers,
+                         contexts=args.contexts if phase == "decode" else None, max_resident=args.max_resident)
         print(f"{'sublayer ' if args.sublayers else ''}{phase} calibration cached in {cost.save(cal)}")
+        if phase == "decode":
+            print(f"{cost.device_name(device)}: {break_even_line(cal, args.run_fraction)}")
         if args.export:
             print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")
 

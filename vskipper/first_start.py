@@ -21,6 +21,7 @@ from vskipper import cost
 
 CPU_MAX_BATCH = 64  # decode batch sizes timed on a CPU unless --max-running-requests says more
 CPU_PREFILL_T = (16, 64, 256)  # prompt lengths timed on a CPU (beyond the table: linear in T)
+CPU_CONTEXTS = (256, 1024, 4096)  # the decode table's context axis on a CPU (beyond: linear in the context)
 PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -63,7 +64,8 @@ def ensure_calibration(model_path: str, device: str, dtype: str, threads: int, m
         ts = (tuple(t for t in cost.GRID_T if t <= max(2, max_batch)) if phase == "decode"
               else CPU_PREFILL_T if on_cpu else cost.PREFILL_T)
         cal, _ = measure(hidden, inter, heads, kv, device=device, dtype=getattr(torch, dtype), ts=ts,
-                         repeats=3 if on_cpu else 6, passes=2 if on_cpu else 3, phase=phase, sublayers=sublayers)
+                         repeats=3 if on_cpu else 6, passes=2 if on_cpu else 3, phase=phase, sublayers=sublayers,
+                         contexts=(CPU_CONTEXTS if on_cpu else cost.GRID_C) if phase == "decode" else None)
         cost.save(cal)
         found[phase] = cal
     return found["decode"], found["prefill"], f"measured now in {time.perf_counter() - t0:.0f} s, cached in {where}"
@@ -81,13 +83,18 @@ def _ranges(plan: dict[int, str]) -> str:
 
 
 def bodies_line(decode: cost.Calibration, prefill: cost.Calibration, expected: float | None, max_batch: int) -> str:
-    """Which body auto picks per phase and batch size at the skipper's expected RUN fraction."""
+    """Which body auto picks per phase and batch size at the skipper's expected RUN fraction (decode: at
+    the smallest context timed), and V*, the break-even resident K/V per batch size of the table."""
+    from vskipper.calibrate import break_even_line
+
     f = 0.5 if expected is None else expected
     sizes = [T for T in PROBE_SIZES if T <= max(2, max_batch)]
     dec = _ranges({T: decode.choose(T, f) for T in sizes})
     pre = _ranges({T: prefill.choose(T, f) for T in prefill.ts})
+    where = f" at {decode.context} resident K/V tokens per row" if len(decode.contexts) > 1 else ""
+    vstar = break_even_line(decode, f, [T for T in decode.ts if T <= max(2, max_batch)])
     return (f"at a RUN fraction of {f:g} ({'declared by the skipper' if expected is not None else 'assumed'}): "
-            f"decode batch {dec}; prefill of {pre} tokens")
+            f"decode batch {dec}{where}; prefill of {pre} tokens; {vstar}")
 
 
 def run(cmd: list[str], env: dict, host: str, port: int, announce: str, timeout: float = 3600.0) -> int:

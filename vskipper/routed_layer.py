@@ -278,29 +278,55 @@ class FixedRoutedBody(Body):
 
 class AutoBody(Body):
     """A dense body and routed ones (by kind), and the chooser among them: whole-layer bodies, or a
-    sublayer skipper's (the chooser's tables say which: Chooser.width 2 reads both sublayers' counts)."""
+    sublayer skipper's (the chooser's tables say which: Chooser.width 2 reads both sublayers' counts).
+    A decode step is priced at its resident K/V (AttentionPart.resident_tokens, host-side) where the
+    decode table has a context axis. `forced` ("dense" or "routed", None: the chooser's) pins the body
+    while a form of the step is captured (vskipper/replay.py: both forms per batch size, the host
+    choosing which to replay); "routed" is `routed_form`."""
 
     name = "auto"
 
     def __init__(self, bodies: dict[str, Body], chooser: cost.Chooser) -> None:
         self.bodies, self.chooser = bodies, chooser
         self.chosen = dict.fromkeys(bodies, 0)  # steps each body ran (host-side counts: vskipper.stats)
+        self.forced: str | None = None
         routed = [b for b in bodies.values() if b.needs_maps]
         self.needs_maps = bool(routed)
         if routed:
             self.maps_impl, self.tuned = routed[0].maps_impl, routed[0].tuned
 
+    @property
+    def routed_form(self) -> str:
+        """The body a captured routed form runs: "routed" (attention, MLP and adapter for their rows),
+        else "routed-mlp" where that is the routed body there is."""
+        return next((k for k in ROUTED_KINDS if k in self.bodies), "dense")
+
+    def form_body(self, form: str) -> str:
+        """The body name of a captured form ("dense" or "routed")."""
+        if form not in ("dense", "routed"):
+            raise ValueError(f"AutoBody: form {form!r} is not 'dense' or 'routed'")
+        return "dense" if form == "dense" else self.routed_form
+
     def select(self, layer, h, x, run, valid, maps, ctx) -> Body:
+        if self.forced is not None:
+            name = self.form_body(self.forced)
+            self.chosen[name] += 1
+            return self.bodies[name]
         T = h.numel() // h.shape[-1]
         decode = layer.attention.is_decode(x, ctx)
-        if self.chooser.width == 1:
-            # the RUN count: the maps' (on the device: fixed shapes) or read here (dynamic bodies, no maps)
-            name = self.chooser.choose(T, maps[2] if maps is not None else int((run & valid).sum()), decode)
-        elif maps is not None and not maps[2].is_cpu and self.chooser.blind(maps[2]):
+        counts = maps[2] if maps is not None else None
+        if counts is not None and not counts.is_cpu and self.chooser.blind(counts):
             name = self.chooser.planned(T)  # capturing a graph: add nothing to it, read nothing
-        else:  # a sublayer layer's (attention RUN, MLP RUN): on the device, read a step late; or on the host
-            counts = (run & valid.unsqueeze(-1)).reshape(-1, 2).sum(0)  # [2]
-            name = self.chooser.choose(T, counts if maps is not None else tuple(counts.tolist()), decode)
+        else:
+            resident = layer.attention.resident_tokens(x, ctx) if decode and self.chooser.reads_context else None
+            if self.chooser.width == 1:
+                # the RUN count: the maps' (on the device: fixed shapes) or read here (dynamic bodies, no maps)
+                name = self.chooser.choose(T, counts if counts is not None else int((run & valid).sum()), decode,
+                                           resident=resident)
+            else:  # a sublayer layer's (attention RUN, MLP RUN): on the device, read a step late; or on the host
+                both = (run & valid.unsqueeze(-1)).reshape(-1, 2).sum(0)  # [2]
+                name = self.chooser.choose(T, both if maps is not None else tuple(both.tolist()), decode,
+                                           resident=resident)
         self.chosen[name] += 1
         return self.bodies[name]
 
@@ -309,8 +335,9 @@ class AutoBody(Body):
 
     def describe(self) -> str:
         both = " from the attention's and the MLP's RUN fractions" if self.chooser.width == 2 else ""
+        where = " and the step's resident K/V" if self.chooser.reads_context else ""
         return (f"auto: {' or '.join(b.describe() for b in self.bodies.values())}, chosen per step on the host "
-                f"by the cost model{both}")
+                f"by the cost model{both}{where}")
 
 
 class SublayerDenseBody(Body):
