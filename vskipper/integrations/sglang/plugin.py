@@ -25,7 +25,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from transformers import AutoConfig
 
-    from vskipper.integrations.sglang import elastic, requests
+    from vskipper.integrations.sglang import elastic, graphs, requests
     from vskipper.integrations.sglang.models import config_classes, model_classes
 
     for cls in model_classes():
@@ -43,6 +43,7 @@ def register() -> None:
     for target in OPENAI_HANDLERS:
         HookRegistry.register(target, requests.openai_handle_request, HookType.AROUND)
     elastic.register()
+    graphs.register(HookRegistry, HookType)  # decode CUDA graphs: both forms per batch size, chosen per step
     _registered = True
 
 
