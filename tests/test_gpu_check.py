@@ -42,6 +42,9 @@ def test_smoke_run_passes_every_step(tmp_path):
     decode = (tmp_path / "results" / "gpu-decode.md").read_text()
     assert "| base tok/s | dense tok/s | routed tok/s | auto tok/s |" in decode
     assert "calibration 'cpu" in decode  # auto found the calibration the step before made
+    assert "| routed0 tok/s | base-eager tok/s |" in decode and "| auto replayed |" in decode
+    assert "V* (resident K/V tokens" in decode and "tau (routed at RandomSkip 0 less base" in decode  # (timed in-run)
+    assert "FAILED" not in decode and "compiled (torch.compile aot_eager, regional)" in decode
     assert list((tmp_path / "vskipper" / "kernel_configs").glob("*.json"))
     assert all((tmp_path / "logs" / f"{s}.log").is_file() for s in STEPS)
 

@@ -14,13 +14,16 @@
 #              under CUDA graphs, RandomSkip and FlexiDepth hard/soft, replays vs eager; fp32
 #              greedy tokens vs the reference on a small model
 #   calibrate 60  vskipper calibrate --device cuda on one routed layer of the 8B shape (fewer
-#              rounds), then its table (benchmarks/step/calibration_table.py); `auto` in decode uses it
+#              rounds; decode at 1k and 16k resident K/V per row: V*), then its table
+#              (benchmarks/step/calibration_table.py); `auto` in decode uses it
 #   tune    60 benchmarks/gpu/kernel_timings.py --tune: the fused MLP side (routed_swiglu_) at T in
 #              {256, 1024}, a thinned sweep (the defaults always among the candidates)
 #   kernels 45 benchmarks/gpu/kernel_timings.py with the tuned table: every op against its torch form
 #              and cuBLAS on the gathered rows
-#   decode 150 benchmarks/gpu/decode.py: tok/s of base, dense, routed, auto, compiled and captured, over
-#              the B x C grid (capped by memory), beside the bytes/FLOPs ideal; tau and V*
+#   decode 150 benchmarks/gpu/decode.py: tok/s of base, dense, routed, auto (both forms captured, one
+#              replayed per step by resident K/V), routed at rate 0 (tau) and the eager base, compiled
+#              and captured, over B {1,16,64,128,256} x C {1k,4k,16k} (capped by memory), beside the
+#              bytes/FLOPs ideal; tau and V*
 #   prefill 45 benchmarks/gpu/prefill.py: time to first token of 1k/4k/8k-token prompts, B in {1, 4}
 #   profile 30 benchmarks/gpu/profile.py: kernel time per part (router and maps, attention, MLP, adapter,
 #              grouped MLP side, other), base and routed, at two cells
@@ -40,7 +43,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) SMOKE=1 ;;
         --only) ONLY=",${2:?--only needs a comma-separated list of steps},"; shift ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (expected --smoke, --only STEPS, --help)" >&2; exit 2 ;;
     esac
     shift
@@ -124,10 +127,11 @@ PAGES=$OUT/results
 run model 60 "$PY" -m benchmarks.gpu.model_check $SM --out "$RUNS/model" --docs "$PAGES"
 if [ "$SMOKE" -eq 1 ]; then  # the CLI's flags checked, then its measurement on a 2 x 3 grid (the full one: 80 s here)
     CALIBRATE="'$PY' -m vskipper.cli calibrate --help > /dev/null && '$PY' -c 'from vskipper import calibrate, cost
-cal, _ = calibrate.measure($SHAPE, device=\"cpu\", ts=(4, 16), fs=(0.0, 0.5, 1.0), repeats=1, passes=1, progress=False)
+cal, _ = calibrate.measure($SHAPE, device=\"cpu\", ts=(4, 16), fs=(0.0, 0.5, 1.0), repeats=1, passes=1, progress=False,
+                          contexts=(16, 64))
 print(\"calibration cached in\", cost.save(cal))'"
 else
-    CALIBRATE="'$PY' -m vskipper.cli calibrate --shape $SHAPE --device $DEVICE --repeats 2 --passes 1"
+    CALIBRATE="'$PY' -m vskipper.cli calibrate --shape $SHAPE --device $DEVICE --repeats 2 --passes 1 --contexts 1024 16384"
 fi
 run calibrate 60 bash -c "$CALIBRATE && '$PY' -m benchmarks.step.calibration_table --shape $SHAPE --device $DEVICE \
     --out '$RUNS/calibration' --docs '$PAGES'"
