@@ -1,0 +1,172 @@
+"""Elastic depth in the simulator (vskipper/sim/elastic.py): the server's controller driven unchanged by the
+simulated scheduler, a level priced as its rows' budgets, the candidate rule, and the rules' benchmark."""
+import json
+import time
+
+import numpy as np
+import pytest
+
+from vskipper.elastic import Controller, Target, ladder
+from vskipper.sim import Host, Request, ServerConfig, StepModel, StepTables, Workload, poisson, simulate
+from vskipper.sim.elastic import LevelSteps, Predictive, simulate_elastic, stream_tpot_p90
+from vskipper.sim.plan import TABLES_DIR
+
+L = 4  # routed layers
+BUDGETS = ladder(L)  # (0, 1, 2, 3, 4)
+
+
+def flat(name: str, decode_ms: float, per_token: float = 1.0, run_fraction: float = 1.0) -> StepModel:
+    return StepModel(name, {1: (decode_ms, 0.0)}, {"e0": 0.0, "per_token": per_token, "per_pair": 0.0, "per_row": 0.0},
+                     {"decode": run_fraction, "extend": run_fraction})
+
+
+# upstream's decode step 100 ms, the skipper alone's 50 ms (it RUNs half the routed-layer work)
+LEVELS = LevelSteps(flat("upstream", 100.0), flat("skipper", 50.0, 0.5, run_fraction=0.5), L, Host(), Host())
+
+
+class Fixed:
+    """A rule that admits at one level from `at` s on (level 0 before), and records what it is fed."""
+
+    def __init__(self, level: int, at: float = 0.0):
+        self.budgets, self.want, self.at = BUDGETS, level, at
+        self.level, self.calls = (level if at <= 0 else 0), []
+
+    def admit(self):
+        return self.level
+
+    def decode_step(self, now, budgets, prefill=False, context=0):
+        self.calls.append(("decode", now, list(budgets), context))
+
+    def prefill(self):
+        self.calls.append(("prefill",))
+
+    def first_token(self, seconds):
+        self.calls.append(("first", seconds))
+
+    def idle(self):
+        self.calls.append(("idle",))
+
+    def tick(self, now, running, waiting):
+        self.calls.append(("tick", now, len(running), waiting))
+        new = self.want if now >= self.at else 0
+        changed, self.level = new != self.level, new
+        return changed
+
+
+def reqs(n=6, gap=0.05, prompt=10, out=9):
+    return [Request(i * gap, prompt, out, out, True) for i in range(n)]
+
+
+def test_level_0_is_upstream_exactly_and_the_top_is_the_skipper_alone():
+    cfg = ServerConfig()
+    w = Workload("uniform:5-40", "uniform:2-30", ignore_eos=True)
+    trace = w.requests(poisson(8.0, n=60, seed=1), seed=1)
+    up = simulate(trace, LEVELS.base, Host(), cfg)
+    at0 = simulate_elastic(trace, LEVELS, Fixed(0), cfg).result
+    assert np.array_equal(up.e2e, at0.e2e) and np.array_equal(up.ttft, at0.ttft)
+    sk = simulate(trace, LEVELS.skipper, Host(), cfg)
+    top = simulate_elastic(trace, LEVELS, Fixed(len(BUDGETS) - 1), cfg)
+    assert np.allclose(sk.e2e, top.result.e2e) and np.allclose(sk.ttft, top.result.ttft)
+    assert top.skipped()["all"] == pytest.approx(0.5) and simulate_elastic(trace, LEVELS, Fixed(0), cfg).skipped() == {
+        "all": 0.0, "decode": 0.0}
+
+
+def test_a_level_prices_its_rows_budgets_and_counts_what_they_skip():
+    """One request at level 2 (budget 2 of 4): every decode step 100 - 2/4 x 50 = 75 ms, its prefill of 10
+    tokens 10 - 2/4 x 5 = 7.5 ms; it skips 2/4 x 0.5 = 25% of its routed-layer work."""
+    er = simulate_elastic([Request(0.0, 10, 5, 5, True)], LEVELS, Fixed(2), ServerConfig())
+    steps = er.result.steps
+    assert np.allclose(steps[steps[:, 2] == 0][:, 1], 0.075)
+    assert np.allclose(steps[steps[:, 2] == 1][:, 1], 0.0075)
+    assert er.budgets.tolist() == [2.0]
+    assert er.skipped() == pytest.approx({"all": 0.25, "decode": 0.25})
+
+
+def test_the_rule_is_fed_what_the_server_feeds_it():
+    """Each decode step's end with one budget per row and the rows' context; a prefill before the gap it
+    lengthens; each first token once; ticks after every step with the running rows and the queue; idle at the end."""
+    rule = Fixed(3, at=0.001)
+    er = simulate_elastic(reqs(), LEVELS, rule, ServerConfig())
+    decodes = [c for c in rule.calls if c[0] == "decode"]
+    steps = er.result.steps
+    dec = steps[steps[:, 2] == 0]
+    assert len(decodes) == len(dec)
+    ends = dec[:, 0] + dec[:, 1]
+    assert np.allclose([c[1] for c in decodes], ends)
+    assert [len(c[2]) for c in decodes] == [int(r) for r in dec[:, 3]]
+    assert all(c[3] > 0 for c in decodes)
+    assert sum(c[0] == "first" for c in rule.calls) == 6
+    assert sum(c[0] == "prefill" for c in rule.calls) == int((steps[:, 2] == 1).sum())
+    assert sum(c[0] == "tick" for c in rule.calls) == len(steps)
+    assert rule.calls[-2][0] == "idle" and rule.calls[-1][:1] == ("tick",) and rule.calls[-1][2:] == (0, 0)
+    # the first request is admitted before the rule's first tick: level 0; the later ones at level 3
+    assert er.budgets[0] == 0 and set(er.budgets[1:].tolist()) == {3.0}
+
+
+def test_a_request_keeps_the_level_it_was_admitted_at():
+    rule = Fixed(4, at=0.2)
+    er = simulate_elastic(reqs(n=8, gap=0.1), LEVELS, rule, ServerConfig())
+    first = {}
+    for t0, b in zip(er.result.arrival, er.budgets):
+        first.setdefault(b, t0)
+    assert set(er.budgets.tolist()) == {0.0, 4.0} and first[4.0] > first[0.0]
+    assert np.all(np.diff(er.budgets) >= 0)  # FCFS: once the level rose, every later request has it
+
+
+def overload(rate=30.0, n=400, seed=0):
+    return Workload("fixed:1", "fixed:40", ignore_eos=True).requests(poisson(rate, n=n, seed=seed), seed=seed)
+
+
+def test_the_servers_controller_rises_under_overload_and_returns_to_level_0_when_idle():
+    """The real vskipper.elastic.Controller: with upstream's steps at 100 ms over a 70 ms target it goes up
+    (the skipper alone runs 50 ms), its later requests skip, and the idle end takes it back to level 0."""
+    c = Controller(Target(70.0), BUDGETS, LEVELS.prior(30.0), 0.0)
+    er = simulate_elastic(overload(), LEVELS, c, ServerConfig())
+    assert er.changes and er.changes[0][1] > 0 and er.changes[-1][1] == 0 and c.level == 0
+    assert er.budgets[:5].tolist() == [0.0] * 5 and er.budgets.max() == 4.0
+    assert 0.25 < er.skipped()["all"] <= 0.5
+    assert stream_tpot_p90(er.result) < stream_tpot_p90(simulate(overload(), LEVELS.base, Host(), ServerConfig()))
+
+
+def test_the_predictive_rule_takes_the_lowest_level_predicted_within_the_band():
+    """Flat steps: level j's step is 100 - 12.5 j ms; target 80 x margin 0.9 = 72 ms -> level 3 (62.5 ms)."""
+    p = Predictive(Target(80.0), BUDGETS, LEVELS.decode_ms, 0.0, margin=0.9, hysteresis=0.9)
+    er = simulate_elastic(overload(), LEVELS, p, ServerConfig())
+    assert er.changes[0][1] == 3 and er.changes[-1][1] == 0
+    assert set(er.budgets.tolist()) <= {0.0, 3.0}
+    # down only to a level predicted within hysteresis x the band: 0.9 x 72 = 64.8 ms -> level 3, not 2
+    q = Predictive(Target(80.0), BUDGETS, LEVELS.decode_ms, 0.0, margin=0.9, hysteresis=0.9)
+    q.level = 4
+    q.decode_step(0.0, [4] * 8, context=80)
+    q.decode_step(0.05, [4] * 8, context=80)
+    assert q.tick(2.0, [4] * 8, 0) and q.level == 3
+    with pytest.raises(ValueError, match="hysteresis"):
+        Predictive(Target(80.0), BUDGETS, LEVELS.decode_ms, 0.0, hysteresis=1.5)
+
+
+def test_elastic_simulation_of_ten_minutes_at_50_per_second_is_fast():
+    """The simulator's speed target holds with the server's controller in the loop (H200 tables, GSM8K-like)."""
+    t = StepTables.load(TABLES_DIR / "h200-llama3-8b.json")
+    lv = LevelSteps.from_tables(t, "ideal0.5", 16)
+    w = Workload("normal:mean=492,sd=32,min=450,max=644", "lognormal:mean=150,sd=70,min=16,max=512", max_new_tokens=512)
+    trace = w.requests(poisson(50.0, duration=600.0, seed=0), seed=0)
+    c = Controller(Target(40.0), ladder(16), lv.prior(560.0), 0.0)
+    t0 = time.process_time()
+    er = simulate_elastic(trace, lv, c, ServerConfig.from_flags(t.server), record_batches=False)
+    took = time.process_time() - t0
+    assert er.result.summary()["completed"] == len(trace) > 29_000
+    assert took < 10.0, f"{took:.1f} s of CPU"
+
+
+def test_rules_benchmark_smoke(tmp_path):
+    from benchmarks.sim import elastic_rules
+
+    elastic_rules.main(["--smoke", "--out", str(tmp_path)])
+    rec = json.loads((tmp_path / "results.json").read_text())
+    assert rec["name"] == "sim-elastic-rules" and "Simulated, not measured" in rec["table"]
+    for key in ("cpu", "h200"):
+        res = rec["results"]["results"][key]
+        assert res["calibration"]["R"] > 0 and res["calibration"]["target_ms"] > 0
+        assert set(res["verdicts"]) == set(elastic_rules.RULES)
+        assert res["cells"]["upstream"]["1.0"]["skip"][0] == 0.0
+        assert res["cells"]["fixed"]["1.0"]["skip"][0] > 0.3

@@ -1,0 +1,333 @@
+"""Elastic depth in the simulator: the server's own controller (vskipper/elastic.py: Controller), unchanged,
+driven by the simulated scheduler as SGLang's drives it (vskipper/integrations/sglang/elastic.py), and its
+level applied to the step model as each row's budget.
+
+What the controller is fed, and when (the server's hook in brackets):
+    admit()                   a request's level, read when it first leaves the waiting queue (the level stamped
+                              on the queue at the last hand-on; a retracted request keeps its own)
+    decode_step(now, ...)     each decode step's end: its rows' budgets and context tokens (process_batch_result)
+    prefill(), first_token()  each prefill step; a request's first token, sent to emitted (process_batch_result)
+    idle()                    nothing running, nothing queued (on_idle)
+    tick(now, running, queued) after every step and at idle: the running rows' budgets, the queue's length
+The period clock is the controller's own (`Target.period_s` against the `now` it is given), the simulated
+time standing in for time.monotonic().
+
+How a level prices a step (LevelSteps): a row at budget k of the L routed layers may skip at its k shallowest
+routed layers and RUNs the others (vskipper/control.py), so it skips a share k / L of what the skipper alone
+skips: its step is upstream's moved toward the skipper's by k / L, linear in the RUN fraction as
+StepModel.scaled is. A batch's step, decode or prefill, is moved by its rows' mean k / L (a prefill's
+weighted by its tokens); the host work of the two systems' servers alike (on a serial host it is folded into
+the step). At budget 0 everywhere a step is upstream's exactly.
+
+Predictive is a candidate rule with the controller's interface (host arithmetic only), judged beside the
+server's own by benchmarks/sim/elastic_rules.py; it is not what the server runs.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vskipper.elastic import HISTORY, STREAM, Target
+from vskipper.sim.engine import _Sim
+from vskipper.sim.metrics import SimResult
+from vskipper.sim.server import ServerConfig
+from vskipper.sim.steps import Host, StepModel, StepTables
+from vskipper.sim.workload import Request
+
+__all__ = ["ElasticResult", "LevelSteps", "Predictive", "simulate_elastic"]
+
+
+@dataclass
+class LevelSteps:
+    """Upstream's and a skipper's steps on one device, and the rows' budgets between them (module docstring).
+    n_routed: the skipper's routed layers L (budgets run 0..L)."""
+
+    base: StepModel
+    skipper: StepModel
+    n_routed: int
+    base_host: Host = field(default_factory=Host)
+    skipper_host: Host = field(default_factory=Host)
+
+    def __post_init__(self):
+        if self.n_routed < 1:
+            raise ValueError(f"LevelSteps.n_routed={self.n_routed!r}: expected an integer >= 1")
+        self.serial = self.base_host.serial
+        # the scheduler's host: on a serial host the work per step is priced here, in decode_ms / extend_ms
+        self.host = (Host(ingress_ms=self.base_host.ingress_ms, egress_ms=self.base_host.egress_ms, serial=True,
+                          source="folded into the step by LevelSteps") if self.serial else self.base_host)
+        self.f = (self.skipper.run_fraction["decode"], self.skipper.run_fraction["extend"])
+
+    @classmethod
+    def from_tables(cls, tables: StepTables, skipper: str, n_routed: int) -> LevelSteps:
+        return cls(tables.model("upstream"), tables.model(skipper), n_routed, tables.host_for("upstream"),
+                   tables.host_for(skipper))
+
+    def decode_ms(self, rows: int, context: float, budget_sum: float = 0.0) -> float:
+        """A decode step of `rows` rows attending `context` tokens in all, their budgets summing to `budget_sum`."""
+        w = budget_sum / (rows * self.n_routed) if rows else 0.0
+        ms = self.base.decode_ms(rows, context)
+        if w:
+            ms += w * (self.skipper.decode_ms(rows, context) - ms)
+        if self.serial:
+            (a, b), (c, d) = self.base_host.decode_ms, self.skipper_host.decode_ms
+            ms += a + b * rows + w * (c + d * rows - a - b * rows)
+        return ms
+
+    def extend_ms(self, tokens: int, rows: int, pairs: float, w: float = 0.0) -> float:
+        """A prefill step; w: its tokens' mean budget share k / L."""
+        ms = self.base.extend_ms(tokens, rows, pairs)
+        if w:
+            ms += w * (self.skipper.extend_ms(tokens, rows, pairs) - ms)
+        if self.serial:
+            (a, b), (c, d) = self.base_host.extend_ms, self.skipper_host.extend_ms
+            ms += a + b * rows + w * (c + d * rows - a - b * rows)
+        return ms
+
+    def prior(self, context_per_row: float):
+        """The controller's step model (vskipper.elastic.StepModel's slot: budgets -> ms of a decode step of
+        those rows), from these steps at `context_per_row` tokens a row: in the server the calibration prices
+        layers only; here the step model is the whole step."""
+        def price(budgets) -> float:
+            T = max(1, len(budgets))
+            return self.decode_ms(T, T * context_per_row, sum(budgets))
+        return price
+
+
+class _Priced:
+    """The engine's step model for one run: the batch being formed, priced at its rows' budgets."""
+
+    def __init__(self, sim: _ElasticSim, levels: LevelSteps):
+        self.sim, self.levels = sim, levels
+        self.measured_max = levels.base.measured_max
+
+    def decode_ms(self, rows: int, context: float) -> float:
+        return self.levels.decode_ms(rows, context, self.sim.dec_B)
+
+    def extend_ms(self, tokens: int, rows: int, pairs: float) -> float:
+        return self.levels.extend_ms(tokens, rows, pairs, self.sim.ext_w)
+
+
+@dataclass
+class ElasticResult:
+    """A run with a rule: the run's SimResult, each request's budget (in arrival order), the level changes
+    (simulated s, new level) and the skipper's RUN fractions, so the share of work skipped can be counted."""
+
+    result: SimResult
+    budgets: np.ndarray
+    changes: list[tuple[float, int]]
+    n_routed: int
+    run_fraction: tuple[float, float]  # the skipper alone's (decode, extend)
+    prompts: np.ndarray
+
+    def skipped(self, since: float = 0.0) -> dict:
+        """Share of routed-layer work skipped by the requests sent at `since` s or later: token-layers (each
+        prompt token once, each generated token after the first once), a row at budget k skipping k / L of what
+        the skipper alone skips. {"all": ..., "decode": ...}."""
+        r = self.result
+        m = r.arrival >= since
+        w = self.budgets[m] / self.n_routed
+        dec, pre = np.maximum(r.output[m] - 1, 0), self.prompts[m]
+        fd, fe = self.run_fraction
+        sk_dec = float((w * dec).sum()) * (1 - fd)
+        sk_pre = float((w * pre).sum()) * (1 - fe)
+        return {"all": (sk_dec + sk_pre) / max(1.0, float(dec.sum() + pre.sum())),
+                "decode": sk_dec / max(1.0, float(dec.sum()))}
+
+
+class _ElasticSim(_Sim):
+    """engine._Sim with a rule: each request's budget fixed when it first leaves the queue, steps priced at
+    their rows' budgets, the rule fed the scheduler's events (module docstring)."""
+
+    def __init__(self, requests, levels: LevelSteps, rule, cfg, record):
+        super().__init__(requests, None, levels.host, cfg, record)
+        self.m = _Priced(self, levels)
+        self.levels, self.rule = levels, rule
+        self.budget_of: list[int | None] = [None] * len(self.reqs)
+        self.count = {b: 0 for b in rule.budgets}  # running rows per budget
+        self.dec_B, self.ext_w = 0, 0.0  # the batch being formed: its budget sum (decode), token share (prefill)
+        self.dec_info: dict[int, tuple[list[int], float]] = {}  # decode index -> (rows' budgets, context)
+        self.changes: list[tuple[float, int]] = []
+
+    def _join(self, r) -> None:
+        super()._join(r)
+        self.count[self.budget_of[r.i]] += 1
+
+    def _leave(self, r) -> None:
+        super()._leave(r)
+        self.count[self.budget_of[r.i]] -= 1
+
+    def _running(self) -> list[int]:
+        out: list[int] = []
+        for b, c in self.count.items():
+            out += [b] * c
+        return out
+
+    def _prefill(self):
+        pieces = super()._prefill()
+        if pieces is not None:
+            tokens, skip = 0, 0.0
+            for r, ext, _, _ in pieces:
+                if self.budget_of[r.i] is None:  # leaves the queue for the first time: the level of now
+                    self.budget_of[r.i] = self.rule.budgets[self.rule.admit()]
+                tokens += ext
+                skip += ext * self.budget_of[r.i]
+            self.ext_w = skip / (tokens * self.levels.n_routed) if tokens else 0.0
+        return pieces
+
+    def _decode(self, pending):
+        D = self.D
+        if pending is not None and pending[0] == 1:
+            candidates = list(pending[2])
+        else:
+            candidates = [r for r, _ in self.finish.get(D - 1, ())]
+        dec = super()._decode(pending)
+        if dec is None:
+            return None
+        rows, ctx, _, gone = dec
+        count = dict(self.count)
+        for r in candidates:
+            if id(r) in gone:
+                count[self.budget_of[r.i]] -= 1
+        budgets: list[int] = []
+        for b, c in count.items():
+            budgets += [b] * c
+        self.dec_B = sum(budgets)
+        self.dec_info[D] = (budgets, ctx)
+        return dec
+
+    def _process(self, batch, t: float, result_only: bool = False) -> int:
+        finished = super()._process(batch, t, result_only)
+        if result_only:
+            return finished
+        rule = self.rule
+        if batch[0] == 1:
+            rule.prefill()
+            for r in batch[2]:
+                if len(r.segs) == 1:
+                    rule.first_token(r.segs[0][0] - r.arrival)
+        else:
+            budgets, ctx = self.dec_info.pop(batch[1])
+            rule.decode_step(batch[2], budgets, context=ctx)
+        queued = len(self.waiting) + (self.chunked is not None)
+        if self.n == 0 and queued == 0:
+            rule.idle()
+        if rule.tick(t, self._running(), queued):
+            self.changes.append((t, rule.level))
+        return finished
+
+
+def simulate_elastic(requests: list[Request], levels: LevelSteps, rule, server: ServerConfig | None = None,
+                     record_batches: bool = True) -> ElasticResult:
+    """Run the trace through the simulated server with `rule` choosing the level (a vskipper.elastic.Controller
+    made at time 0, or anything with its interface: admit, decode_step, prefill, first_token, idle, tick,
+    level, budgets); the budgets must run 0..levels.n_routed."""
+    if max(rule.budgets) > levels.n_routed:
+        raise ValueError(f"simulate_elastic: budgets {rule.budgets} exceed the {levels.n_routed} routed layers")
+    sim = _ElasticSim(requests, levels, rule, server or ServerConfig(), record_batches)
+    res = sim.run()
+    budgets = np.array([b if b is not None else 0 for b in sim.budget_of], dtype=float)
+    prompts = np.array([r.prompt for r in sim.reqs], dtype=float)
+    return ElasticResult(res, budgets, sim.changes, levels.n_routed, levels.f, prompts)
+
+
+class Predictive:
+    """A candidate rule (the issue's model-predictive one): each period, the lowest level whose predicted TPOT
+    for the rows running and queued now is within `margin` x the target, from the step model. Predicted: a
+    decode step of those n rows at the mean context per row of the last step, every row at level j, priced by
+    `price(rows, context, budget_sum)` (ms), times the ratio of the measured gaps between decode steps to their
+    own prices over the last HISTORY steps (what the prefills between them add, and the model's error here).
+    Up at once to the lowest level that fits (the top if none); down only to a level predicted within
+    `hysteresis` x margin x target. Nothing running or queued: level 0. `smooth`: the rows are not those of the
+    moment but their moving average over a stream's lifetime (STREAM gaps of the last HISTORY steps' mean): a
+    stream's TPOT is the mean of its gaps over that lifetime, so a spike of arrivals shorter than it moves it little."""
+
+    def __init__(self, target: Target, budgets: tuple[int, ...], price, now: float, margin: float = 0.9,
+                 hysteresis: float = 0.9, smooth: bool = False) -> None:
+        if not (0 < margin and 0 < hysteresis <= 1):
+            raise ValueError(f"Predictive: margin={margin!r} must be > 0 and hysteresis={hysteresis!r} in (0, 1]")
+        self.target, self.budgets, self.price = target, tuple(budgets), price
+        self.margin, self.hysteresis, self.smooth = margin, hysteresis, smooth
+        self.rows: float | None = None  # the moving average of the rows running and queued (smooth)
+        self.top = len(self.budgets) - 1
+        self.level = 0
+        self.steps: deque[tuple[float, float]] = deque(maxlen=HISTORY)  # (measured gap ms, its price ms)
+        self.last_step: float | None = None
+        self.context = 0.0  # per row, of the last decode step
+        self.last_tick = self.since = now
+        self.seconds = [0.0] * len(self.budgets)
+        self.reason = "idle"
+
+    def admit(self) -> int:
+        return self.level
+
+    def decode_step(self, now: float, budgets, prefill: bool = False, context: int = 0) -> None:
+        budgets = list(budgets)
+        T = len(budgets)
+        if T:
+            self.context = context / T
+        if self.last_step is not None and T:
+            self.steps.append(((now - self.last_step) * 1e3, self.price(T, context, sum(budgets))))
+        self.last_step = now
+
+    def prefill(self) -> None:
+        pass
+
+    def first_token(self, seconds: float) -> None:
+        pass
+
+    def idle(self) -> None:
+        self.last_step = None
+
+    def _set(self, level: int, now: float) -> bool:
+        if level == self.level:
+            return False
+        self.seconds[self.level] += now - self.since
+        self.level, self.since = level, now
+        return True
+
+    def predicted(self, n: int) -> list[float]:
+        """The predicted TPOT (ms) of every level for n rows."""
+        gap, priced = sum(g for g, _ in self.steps), sum(p for _, p in self.steps)
+        ratio = gap / priced if self.steps and priced > 0 else 1.0
+        return [ratio * self.price(n, n * self.context, n * k) for k in self.budgets]
+
+    def tick(self, now: float, running: list[int], waiting: int) -> bool:
+        n = len(running) + waiting
+        if n == 0:
+            self.reason, self.rows = "idle", None
+            return self._set(0, now)
+        if now - self.last_tick < self.target.period_s:
+            return False
+        dt, self.last_tick = now - self.last_tick, now
+        if self.smooth:
+            gap = sum(g for g, _ in self.steps) / len(self.steps) if self.steps else 0.0
+            life = STREAM * gap / 1e3  # s
+            a = 1.0 if self.rows is None or life <= 0 else 1.0 - math.exp(-dt / life)
+            self.rows = n if self.rows is None else self.rows + a * (n - self.rows)
+            n = max(1, round(self.rows))
+        pred = self.predicted(n)
+        bound = self.margin * self.target.tpot_ms
+        want = next((j for j, p in enumerate(pred) if p <= bound), self.top)
+        if want > self.level:
+            self.reason = f"predicted {pred[self.level]:.1f} ms for {n} rows at level {self.level}: up"
+            return self._set(want, now)
+        low = next((j for j, p in enumerate(pred) if p <= self.hysteresis * bound), self.level)
+        if low < self.level:
+            self.reason = f"level {low} predicted {pred[low]:.1f} ms for {n} rows: down"
+            return self._set(low, now)
+        return False
+
+    def time_per_level(self, now: float) -> list[float]:
+        out = list(self.seconds)
+        out[self.level] += now - self.since
+        return out
+
+
+def stream_tpot_p90(res: SimResult, since: float = 0.0) -> float:
+    """p90 TPOT (ms) of the requests sent at `since` s or later (numpy's percentile, as SGLang's client)."""
+    m = (res.arrival >= since) & (res.output > 1)
+    x = (res.e2e[m] - res.ttft[m]) / (res.output[m] - 1) * 1e3
+    return float(np.percentile(x, 90)) if len(x) else math.nan
