@@ -1,6 +1,7 @@
 """Elastic depth in the simulator (vskipper/sim/elastic.py): the server's controller driven unchanged by the
 simulated scheduler, a level priced as its rows' budgets, the candidate rule, and the rules' benchmark."""
 import json
+import math
 import time
 
 import numpy as np
@@ -170,3 +171,38 @@ def test_rules_benchmark_smoke(tmp_path):
         assert set(res["verdicts"]) == set(elastic_rules.RULES)
         assert res["cells"]["upstream"]["1.0"]["skip"][0] == 0.0
         assert res["cells"]["fixed"]["1.0"]["skip"][0] > 0.3
+
+
+def feed(p: Predictive, now: float, n: int, gap_ms: float, budgets) -> float:
+    for _ in range(n):
+        now += gap_ms / 1e3
+        p.decode_step(now, budgets, context=80)
+    return now
+
+
+def test_the_adaptive_band_tightens_while_the_streams_miss_and_loosens_while_they_meet():
+    """Steps of 100 ms priced at 100 (ratio 1) over a target of 80: the streams miss, so the band shrinks (to no
+    less than SCALE's floor); then 40 ms steps: it grows again."""
+    p = Predictive(Target(80.0), BUDGETS, LEVELS.decode_ms, 0.0, margin=1.0, adapt=True)
+    now = feed(p, 0.0, 1, 100.0, [0] * 8)
+    now = feed(p, now, 64, 100.0, [0] * 8)
+    scales = []
+    for _ in range(5):
+        now = feed(p, now, 10, 100.0, [0] * 8)
+        p.tick(now, [0] * 8, 0)
+        scales.append(p.scale)
+    assert scales == sorted(scales, reverse=True) and Predictive.SCALE[0] <= scales[-1] < 1.0
+    assert scales[0] == pytest.approx((0.95 * 80 / 100) ** Predictive.GAIN)
+    p.level = 0
+    now = feed(p, now, Predictive.WINDOW, 40.0, [0] * 8)
+    p.tick(now + 1.0, [0] * 8, 0)
+    assert p.scale > scales[-1]
+
+
+def test_the_smoothed_rows_move_by_a_streams_lifetime_not_a_spike():
+    """A spike from 8 to 80 rows for one period barely moves the smoothed rows (a lifetime of 32 x 100 ms)."""
+    p = Predictive(Target(80.0), BUDGETS, LEVELS.decode_ms, 0.0, margin=1.0, smooth=True)
+    now = feed(p, 0.0, 20, 100.0, [0] * 8)
+    p.tick(now, [0] * 8, 0)
+    p.tick(now + 1.0, [0] * 8, 72)
+    assert 8 < p.rows < 8 + 72 * (1 - math.exp(-1.0 / 3.2)) + 1e-9

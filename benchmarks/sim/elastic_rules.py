@@ -51,12 +51,23 @@ MODELS = {
              "output": "lognormal:mean=150,sd=70,min=16,max=512", "max_new": 512,
              "duration": 60.0, "warmup": 15.0, "saturate": 3000,
              "why": "GSM8K-like lengths (benchmarks/sim/project.py: WORKLOADS, where they come from)"},
+    "h200-measured": {"label": "H200 (Llama-3-8B shape), the measured RandomSkip 0.5 steps",
+                      "tables": "h200-llama3-8b.json", "skipper": "random0.5", "routed": 16,
+                      "prompt": "normal:mean=492,sd=32,min=450,max=644",
+                      "output": "lognormal:mean=150,sd=70,min=16,max=512", "max_new": 512,
+                      "duration": 60.0, "warmup": 15.0, "saturate": 3000,
+                      "why": "as above; the skipper's measured steps run 4-7% longer than upstream's from 16 rows: "
+                             "no level can help, and a rule should not make it worse"},
 }
 RULES = {"upstream": "upstream SGLang", "fixed": "the skipper alone (level top throughout)",
          "today": "today's rule (vskipper.elastic.Controller)",
          "predictive": "model-predictive (Predictive: margin 0.9, hysteresis 0.9, the rows of the moment)",
          "predictive-1.0": "model-predictive (margin 1.0, hysteresis 0.9, the rows of the moment)",
-         "predictive-smooth": "model-predictive (margin 1.0, hysteresis 0.9, the rows averaged over a stream's life)"}
+         "predictive-hold": "model-predictive (margin 0.9, hysteresis 0.9, down only after a stream's length of "
+                            "steps at the level)",
+         "predictive-smooth": "model-predictive (margin 1.0, hysteresis 0.9, the rows averaged over a stream's life)",
+         "predictive-adapt": "model-predictive (margin 1.0, hysteresis 0.9, the band scaled to hold the streams' p90 "
+                             "at 0.95 x target; down as predictive-hold)"}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -114,9 +125,10 @@ class Model:
         if name == "today":
             return Controller(t, self.budgets, self.levels.prior(self.context), 0.0)
         if name.startswith("predictive"):
-            margin = 0.9 if name == "predictive" else 1.0
+            margin = 0.9 if name in ("predictive", "predictive-hold") else 1.0
             return Predictive(t, self.budgets, self.levels.decode_ms, 0.0, margin=margin, hysteresis=0.9,
-                              smooth=name.endswith("smooth"))
+                              smooth=name.endswith("smooth"), adapt=name.endswith("adapt"),
+                              hold=name.endswith(("hold", "adapt")))
         raise ValueError(name)
 
     def run(self, name: str, rate: float, seed: int, tpot_ms: float | None = None) -> dict:
@@ -144,6 +156,25 @@ class Model:
         s = res.summary()
         return {"p90": stream_tpot_p90(res, since), "skip": float(skip), "output_tps": s["output_tps"],
                 "request_tps": s["request_tps"], "levels": levels}
+
+
+def provenance(path: Path) -> str:
+    """The tables file's content hash, the last commit that touched it and whether the working copy differs."""
+    import hashlib
+    import subprocess
+
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+    def git(*a):
+        try:
+            done = subprocess.run(["git", *a], cwd=path.parent, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip()
+
+    commit = git("log", "-1", "--format=%h", "--", path.name)
+    dirty = bool(git("status", "--porcelain", "--", path.name))
+    return f"sha256 {sha}, last committed in {commit or '?'}" + (", with uncommitted changes" if dirty else "")
 
 
 def mean_ci(xs: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float, float]:
@@ -221,7 +252,8 @@ def ramp(model: Model, cal: dict, args) -> tuple[dict, str]:
     vt = [[n, RULES[n], word(v["a"], v["a_sure"]), word(v["b"], v["b_sure"]), f"{v['held_to']:g}x"]
           for n, v in verdicts.items()]
     sp = model.spec
-    text = (f"## {sp['label']}\n\nStep tables `vskipper/sim/tables/{sp['tables']}` ({model.tables.meta['source']}); "
+    text = (f"## {sp['label']}\n\nStep tables `vskipper/sim/tables/{sp['tables']}` ({model.tables.meta['source']}; "
+            f"{provenance(TABLES / sp['tables'])}); "
             f"skipper `{sp['skipper']}` ({model.tables.model(sp['skipper']).label}; RUN fraction decode "
             f"{model.levels.f[0]:.3f}, prefill {model.levels.f[1]:.3f}) over {sp['routed']} routed layers, levels' "
             f"budgets {list(model.budgets)}; server `{' '.join(model.tables.server)}`; prompts `{sp['prompt']}`, "
@@ -241,11 +273,12 @@ def ramp(model: Model, cal: dict, args) -> tuple[dict, str]:
 
 def main(argv=None) -> None:
     args = parse(argv)
-    out, parts = {}, []
+    out, parts, cals = {}, [], {}
     for key in args.models:
         t0 = time.perf_counter()
         model = Model(key, args.scale)
-        cal = calibrate(model, args.seeds, args.smoke)
+        same = (model.spec["tables"], model.spec["prompt"], model.spec["output"])  # upstream's: the same R
+        cal = cals[same] = cals.get(same) or calibrate(model, args.seeds, args.smoke)
         log(f"{key}: saturated {cal['saturated_rps']:.2f} req/s, target {cal['target_ms']:.1f} ms, R {cal['R']:.3f} "
             f"req/s ({time.perf_counter() - t0:.0f} s)")
         out[key], text = ramp(model, cal, args)
@@ -260,7 +293,12 @@ def main(argv=None) -> None:
             "upstream's p90 TPOT stops meeting it; (b) at most 5% of routed-layer work skipped where upstream "
             "meets the target. 'met' reads the mean over the seeds, '(sure)' where the 95% interval's far end "
             "meets it too.\n\n")
-    text = head + "\n\n".join(parts)
+    summary = [[n, RULES[n]] + [f"(a) {word(out[k]['verdicts'][n]['a'], out[k]['verdicts'][n]['a_sure'])}; "
+                                f"(b) {word(out[k]['verdicts'][n]['b'], out[k]['verdicts'][n]['b_sure'])}"
+                                for k in args.models] for n in args.rules]
+    text = (head + "Which rule meets which criterion, per step model:\n\n"
+            + R.table(["rule", "what"] + [MODELS[k]["label"] for k in args.models], summary) + "\n\n"
+            + "\n\n".join(parts))
     print(text)
     R.write_results("sim-elastic-rules", {"args": {k: str(v) for k, v in vars(args).items()}, "models": MODELS,
                                           "results": out}, text, args.out, R.docs_dir(args))

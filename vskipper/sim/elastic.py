@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vskipper.elastic import HISTORY, STREAM, Target
+from vskipper.elastic import HISTORY, STREAM, Target, p90
 from vskipper.sim.engine import _Sim
 from vskipper.sim.metrics import SimResult
 from vskipper.sim.server import ServerConfig
@@ -239,18 +239,32 @@ class Predictive:
     decode step of those n rows at the mean context per row of the last step, every row at level j, priced by
     `price(rows, context, budget_sum)` (ms), times the ratio of the measured gaps between decode steps to their
     own prices over the last HISTORY steps (what the prefills between them add, and the model's error here).
-    Up at once to the lowest level that fits (the top if none); down only to a level predicted within
-    `hysteresis` x margin x target. Nothing running or queued: level 0. `smooth`: the rows are not those of the
+    Up at once to the lowest level that fits (if none, the level predicted fastest); down only to a level
+    predicted within `hysteresis` x margin x target. Nothing running or queued: level 0. `smooth`: the rows are
+    not those of the
     moment but their moving average over a stream's lifetime (STREAM gaps of the last HISTORY steps' mean): a
-    stream's TPOT is the mean of its gaps over that lifetime, so a spike of arrivals shorter than it moves it little."""
+    stream's TPOT is the mean of its gaps over that lifetime, so a spike of arrivals shorter than it moves it little.
+    `adapt`: an outer loop sets the band from what the streams saw: each tick the band is scaled by
+    (AIM x target / observed) ** GAIN, the observed being the p90 over the last WINDOW steps of their STREAM-step
+    means (the recent streams' p90 TPOT), the scale kept within SCALE: the p90 is held at the target whatever the
+    prediction's error and the streams' spread about their mean. `hold`: down only after a stream's length of
+    decode steps (STREAM) at the level: a level reaches only the requests admitted at it, and they reach the batch
+    over a lifetime, so a fall judged sooner reads a batch still full of rows admitted lower."""
+
+    AIM, GAIN, WINDOW, SCALE = 0.95, 0.1, 8 * STREAM, (0.5, 1.5)
 
     def __init__(self, target: Target, budgets: tuple[int, ...], price, now: float, margin: float = 0.9,
-                 hysteresis: float = 0.9, smooth: bool = False) -> None:
+                 hysteresis: float = 0.9, smooth: bool = False, adapt: bool = False, hold: bool = False) -> None:
         if not (0 < margin and 0 < hysteresis <= 1):
             raise ValueError(f"Predictive: margin={margin!r} must be > 0 and hysteresis={hysteresis!r} in (0, 1]")
         self.target, self.budgets, self.price = target, tuple(budgets), price
         self.margin, self.hysteresis, self.smooth = margin, hysteresis, smooth
         self.rows: float | None = None  # the moving average of the rows running and queued (smooth)
+        self.adapt, self.scale = adapt, 1.0
+        self.hold, self.fresh = hold, 0  # hold: down only after STREAM decode steps at the level (fresh counts them)
+        self.gaps: deque[float] = deque(maxlen=STREAM)  # the last STREAM gaps (ms), and their sum
+        self.gap_sum = 0.0
+        self.means: deque[float] = deque(maxlen=self.WINDOW)  # STREAM-step means of the gaps (adapt)
         self.top = len(self.budgets) - 1
         self.level = 0
         self.steps: deque[tuple[float, float]] = deque(maxlen=HISTORY)  # (measured gap ms, its price ms)
@@ -269,7 +283,16 @@ class Predictive:
         if T:
             self.context = context / T
         if self.last_step is not None and T:
-            self.steps.append(((now - self.last_step) * 1e3, self.price(T, context, sum(budgets))))
+            gap = (now - self.last_step) * 1e3
+            self.steps.append((gap, self.price(T, context, sum(budgets))))
+            self.fresh += 1
+            if self.adapt:
+                if len(self.gaps) == STREAM:
+                    self.gap_sum -= self.gaps[0]
+                self.gaps.append(gap)
+                self.gap_sum += gap
+                if len(self.gaps) == STREAM:
+                    self.means.append(self.gap_sum / STREAM)
         self.last_step = now
 
     def prefill(self) -> None:
@@ -285,7 +308,7 @@ class Predictive:
         if level == self.level:
             return False
         self.seconds[self.level] += now - self.since
-        self.level, self.since = level, now
+        self.level, self.since, self.fresh = level, now, 0
         return True
 
     def predicted(self, n: int) -> list[float]:
@@ -308,14 +331,19 @@ class Predictive:
             a = 1.0 if self.rows is None or life <= 0 else 1.0 - math.exp(-dt / life)
             self.rows = n if self.rows is None else self.rows + a * (n - self.rows)
             n = max(1, round(self.rows))
+        if self.adapt and len(self.means) >= STREAM:
+            seen = p90(self.means)
+            lo, hi = self.SCALE
+            self.scale = min(hi, max(lo, self.scale * (self.AIM * self.target.tpot_ms / seen) ** self.GAIN))
         pred = self.predicted(n)
-        bound = self.margin * self.target.tpot_ms
-        want = next((j for j, p in enumerate(pred) if p <= bound), self.top)
+        bound = self.margin * self.scale * self.target.tpot_ms
+        # none within the band: the level predicted fastest (the top, unless skipping costs more than it saves)
+        want = next((j for j, p in enumerate(pred) if p <= bound), min(range(len(pred)), key=pred.__getitem__))
         if want > self.level:
             self.reason = f"predicted {pred[self.level]:.1f} ms for {n} rows at level {self.level}: up"
             return self._set(want, now)
         low = next((j for j, p in enumerate(pred) if p <= self.hysteresis * bound), self.level)
-        if low < self.level:
+        if low < self.level and (not self.hold or self.fresh >= STREAM):
             self.reason = f"level {low} predicted {pred[low]:.1f} ms for {n} rows: down"
             return self._set(low, now)
         return False
