@@ -162,8 +162,11 @@ def test_elastic_simulation_of_ten_minutes_at_50_per_second_is_fast():
 def test_rules_benchmark_smoke(tmp_path):
     from benchmarks.sim import elastic_rules
 
-    elastic_rules.main(["--smoke", "--out", str(tmp_path)])
+    elastic_rules.main(["--smoke", "--out", str(tmp_path), "--models", "cpu"])
+    first = json.loads((tmp_path / "results.json").read_text())["results"]["results"]["cpu"]
+    elastic_rules.main(["--smoke", "--out", str(tmp_path), "--resume"])  # keeps cpu, runs the others
     rec = json.loads((tmp_path / "results.json").read_text())
+    assert rec["results"]["resumed"] == ["cpu"] and rec["results"]["results"]["cpu"] == first
     assert rec["name"] == "sim-elastic-rules" and "Simulated, not measured" in rec["table"]
     for key in ("cpu", "h200"):
         res = rec["results"]["results"][key]

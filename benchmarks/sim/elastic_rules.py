@@ -25,6 +25,7 @@ upstream's):
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -79,6 +80,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS), help="multiples of R, comma-separated")
     ap.add_argument("--scale", type=float, default=1.0, help="trace length and warm-up x this (default 1)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, no page")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the step models already in --out's results.json (run with the same settings); "
+                         "results.json is rewritten after every step model")
     R.add_arguments(ap, "sim-elastic-rules")
     a = ap.parse_args(argv)
     a.loads = [float(x) for x in a.loads.split(",")]
@@ -271,37 +275,66 @@ def ramp(model: Model, cal: dict, args) -> tuple[dict, str]:
     return {"calibration": cal, "cells": rows, "verdicts": verdicts, "runs": raw}, text
 
 
+HEAD = ("**Simulated, not measured.** SGLang 0.5.23's scheduler simulated (vskipper/sim) over each device's "
+        "measured step tables; elastic depth's level applied as each row's budget (a row at budget k of L "
+        "routed layers priced k / L of the way from upstream's step to the skipper's: "
+        "vskipper/sim/elastic.py). Today's rule is the server's own controller code, run unchanged; the "
+        "model-predictive rules are candidates that read the step model the simulator prices with (a best "
+        "case for them: the server's would be its step tables or calibration, corrected by the same measured "
+        "ratio). Criteria of the issue: (a) p90 TPOT within the target up to 1.10 x R, R the load at which "
+        "upstream's p90 TPOT stops meeting it; (b) at most 5% of routed-layer work skipped where upstream "
+        "meets the target. 'met' reads the mean over the seeds, '(sure)' where the 95% interval's far end "
+        "meets it too.\n\n")
+SAME = ("seeds", "loads", "scale", "rules", "smoke")  # a --resume'd model counts only if these match
+
+
+def page(args, out: dict) -> str:
+    done = [k for k in args.models if k in out]
+    summary = [[n, RULES[n]] + [f"(a) {word(out[k]['verdicts'][n]['a'], out[k]['verdicts'][n]['a_sure'])}; "
+                                f"(b) {word(out[k]['verdicts'][n]['b'], out[k]['verdicts'][n]['b_sure'])}"
+                                for k in done] for n in args.rules]
+    missing = [k for k in args.models if k not in out]
+    return (HEAD + "Which rule meets which criterion, per step model:\n\n"
+            + R.table(["rule", "what"] + [MODELS[k]["label"] for k in done], summary) + "\n\n"
+            + (f"Not run yet: {', '.join(missing)}.\n\n" if missing else "")
+            + "\n\n".join(out[k]["text"] for k in done))
+
+
 def main(argv=None) -> None:
     args = parse(argv)
-    out, parts, cals = {}, [], {}
+    out, cals, resumed = {}, {}, []
+    mine = {k: str(getattr(args, k)) for k in SAME}
+    prev = Path(args.out) / "results.json" if args.out else None
+    if args.resume and prev is not None and prev.is_file():
+        rec = json.loads(prev.read_text())["results"]
+        if {k: rec["args"].get(k) for k in SAME} == mine:
+            out = {k: v for k, v in rec["results"].items() if k in args.models}
+            resumed = [*rec.get("resumed", []), *(k for k in out if k not in rec.get("resumed", []))]
+            log(f"resumed {', '.join(out) or 'nothing'} from {prev}")
+        else:
+            log(f"{prev}: run with other settings; not resumed")
     for key in args.models:
+        if key in out:
+            continue
         t0 = time.perf_counter()
         model = Model(key, args.scale)
         same = (model.spec["tables"], model.spec["prompt"], model.spec["output"])  # upstream's: the same R
-        cal = cals[same] = cals.get(same) or calibrate(model, args.seeds, args.smoke)
+        done = next((v["calibration"] for k, v in out.items() if (MODELS[k]["tables"], MODELS[k]["prompt"],
+                                                                   MODELS[k]["output"]) == same), None)
+        cal = cals[same] = cals.get(same) or done or calibrate(model, args.seeds, args.smoke)
         log(f"{key}: saturated {cal['saturated_rps']:.2f} req/s, target {cal['target_ms']:.1f} ms, R {cal['R']:.3f} "
             f"req/s ({time.perf_counter() - t0:.0f} s)")
         out[key], text = ramp(model, cal, args)
-        parts.append(text)
-    head = ("**Simulated, not measured.** SGLang 0.5.23's scheduler simulated (vskipper/sim) over each device's "
-            "measured step tables; elastic depth's level applied as each row's budget (a row at budget k of L "
-            "routed layers priced k / L of the way from upstream's step to the skipper's: "
-            "vskipper/sim/elastic.py). Today's rule is the server's own controller code, run unchanged; the "
-            "model-predictive rule is a candidate that reads the step model the simulator prices with (a best "
-            "case for it: the server's would be its step tables or calibration, corrected by the same measured "
-            "ratio). Criteria of the issue: (a) p90 TPOT within the target up to 1.10 x R, R the load at which "
-            "upstream's p90 TPOT stops meeting it; (b) at most 5% of routed-layer work skipped where upstream "
-            "meets the target. 'met' reads the mean over the seeds, '(sure)' where the 95% interval's far end "
-            "meets it too.\n\n")
-    summary = [[n, RULES[n]] + [f"(a) {word(out[k]['verdicts'][n]['a'], out[k]['verdicts'][n]['a_sure'])}; "
-                                f"(b) {word(out[k]['verdicts'][n]['b'], out[k]['verdicts'][n]['b_sure'])}"
-                                for k in args.models] for n in args.rules]
-    text = (head + "Which rule meets which criterion, per step model:\n\n"
-            + R.table(["rule", "what"] + [MODELS[k]["label"] for k in args.models], summary) + "\n\n"
-            + "\n\n".join(parts))
+        out[key]["text"] = text
+        write(args, out, None, resumed)  # after every step model: a run cut short keeps what it did (--resume)
+    text = page(args, out)
     print(text)
+    write(args, out, R.docs_dir(args), resumed)
+
+
+def write(args, out: dict, docs, resumed=()) -> None:
     R.write_results("sim-elastic-rules", {"args": {k: str(v) for k, v in vars(args).items()}, "models": MODELS,
-                                          "results": out}, text, args.out, R.docs_dir(args))
+                                          "results": out, "resumed": resumed}, page(args, out), args.out, docs)
 
 
 if __name__ == "__main__":
