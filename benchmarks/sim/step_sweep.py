@@ -37,7 +37,9 @@ TABLES = Path(__file__).resolve().parents[2] / "vskipper" / "sim" / "tables" / "
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sim.step_sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32],
+                    help="decode batch sizes; the default holds the fit's concurrencies (benchmarks/sim/validate.py: "
+                         "1, 4, 12, 24), whose residuals would otherwise carry the interpolation's error into the host")
     ap.add_argument("--context", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--extend", nargs="+", default=["1x16", "1x64", "1x128", "1x256", "1x512", "4x64", "8x32"],
                     help="extend cells, ROWSxTOKENS (ROWS prompts of TOKENS each)")
