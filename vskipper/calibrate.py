@@ -431,7 +431,7 @@ def main(argv=None) -> None:
                          ts=ts if phase == "decode" else None, sublayers=args.sublayers,
                          contexts=args.contexts if phase == "decode" else None, max_resident=args.max_resident)
         print(f"{'sublayer ' if args.sublayers else ''}{phase} calibration cached in {cost.save(cal)}")
-        if phase == "decode":
+        if cal.phase == "decode":
             print(f"{cost.device_name(device)}: {break_even_line(cal, args.run_fraction)}")
         if args.export:
             print(f"exported to {cost.save(cal, __import__('pathlib').Path(args.export))}")
