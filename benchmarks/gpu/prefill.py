@@ -127,22 +127,12 @@ def table(args, shape, rows, header) -> str:
 
 
 def main(args) -> int:
-    if args.smoke:
-        import os
+    from benchmarks.gpu import open_base
 
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch
-
-    from benchmarks.gpu import harness as G  # after TRITON_INTERPRET is set: it imports vskipper
-
-    if not G.cuda() and not args.smoke:
-        print("gpu prefill: no CUDA device; this benchmark needs a GPU (or --smoke: tiny shapes on CPU)",
-              file=sys.stderr)
+    opened = open_base(args, "prefill")
+    if opened is None:
         return 2
-    device = torch.device("cuda" if G.cuda() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = G.parse_shape(args.shape)
-    base = G.build_llama(shape, device, dtype)
+    G, device, dtype, shape, base = opened
     systems = build_systems(args, G, base, shape)
     cells = [(P, B) for P in args.prompts for B in args.batches]
     fits = [c for c in cells if c[0] * c[1] <= args.max_tokens]

@@ -143,21 +143,12 @@ def profile_step(G, model, kv, B: int, C: int) -> dict[str, list[float]]:
 
 
 def main(args) -> int:
-    if args.smoke:
-        import os
+    from benchmarks.gpu import open_base
 
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch
-
-    from benchmarks.gpu import harness as G
-
-    if not G.cuda() and not args.smoke:
-        print("gpu profile: no CUDA device; this needs a GPU (or --smoke: tiny shapes on CPU)", file=sys.stderr)
+    opened = open_base(args, "profile")
+    if opened is None:
         return 2
-    device = torch.device("cuda" if G.cuda() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = G.parse_shape(args.shape)
-    base = G.build_llama(shape, device, dtype)
+    G, device, dtype, shape, base = opened
     sk = (G.skipper_for(args.skipper, shape, device, dtype) if args.skipper != "random"
           else __import__("vskipper").RandomSkip(args.rate, shape.routed, seed=0))
     systems = {"base": base, "routed": G.transformed(base, sk, "routed")}
