@@ -9,7 +9,7 @@ import pytest
 
 from vskipper.elastic import Controller, Target, ladder
 from vskipper.sim import Host, Request, ServerConfig, StepModel, StepTables, Workload, poisson, simulate
-from vskipper.sim.elastic import LevelSteps, Predictive, simulate_elastic, stream_tpot_p90
+from vskipper.sim.elastic import Capacity, LevelSteps, Pinned, Predictive, simulate_elastic, stream_tpot_p90
 from vskipper.sim.plan import TABLES_DIR
 
 L = 4  # routed layers
@@ -174,6 +174,8 @@ def test_rules_benchmark_smoke(tmp_path):
         assert set(res["verdicts"]) == set(elastic_rules.RULES)
         assert res["cells"]["upstream"]["1.0"]["skip"][0] == 0.0
         assert res["cells"]["fixed"]["1.0"]["skip"][0] > 0.3
+        caps = res["capacity"]
+        assert len(caps) == 5 and caps[0] == res["calibration"]["R"]
 
 
 def feed(p: Predictive, now: float, n: int, gap_ms: float, budgets) -> float:
@@ -209,3 +211,99 @@ def test_the_smoothed_rows_move_by_a_streams_lifetime_not_a_spike():
     p.tick(now, [0] * 8, 0)
     p.tick(now + 1.0, [0] * 8, 72)
     assert 8 < p.rows < 8 + 72 * (1 - math.exp(-1.0 / 3.2)) + 1e-9
+
+
+CAPS = (10.0, 11.0, 12.0, 13.0, 14.0)  # req/s each level holds the target to
+
+
+def arrive(rule: Capacity, rate: float, seconds: float, now: float = 0.0, queued: int = 0) -> tuple[float, list[int]]:
+    """Requests every 1 / rate s from `now`, each admitted as it comes, a tick halfway to the next (where the
+    decaying count of evenly spaced arrivals reads their rate); returns (the last arrival, their levels)."""
+    levels = []
+    for _ in range(round(rate * seconds)):
+        now += 1.0 / rate
+        levels.append(rule.admit())
+        rule.tick(now + 0.5 / rate, [], queued)
+    return now, levels
+
+
+def test_the_rate_is_what_arrived_admitted_or_queued():
+    """Admitted requests and the queue's growth both count; the first seconds read the rate, not a low one."""
+    rule = Capacity(Target(80.0), BUDGETS, CAPS, 0.0, tau_s=5.0)
+    now, _ = arrive(rule, 8.0, 2.0)
+    assert rule.rate() == pytest.approx(8.0, rel=0.02)
+    for k in range(1, 41):  # 20 a second that wait: the queue grows by one every 0.05 s
+        rule.tick(now + 0.05 * k, [], k)
+    assert 12.0 < rule.rate() < 20.0
+    arrive(rule, 20.0, 30.0, now + 2.0, queued=40)  # as many admitted as arrive: the queue holds at 40
+    assert rule.rate() == pytest.approx(20.0, rel=0.02)
+
+
+def test_the_rate_keyed_rule_reads_the_level_off_the_capacity_table_and_mixes_the_two_around_it():
+    """z 0, slope 1: 11.5 req/s is halfway from level 1's capacity to level 2's: half the requests at each.
+    (The arrivals are counted at the ticks: the rate reads 0.5 / tau_s high, 0.005 here.)"""
+    rule = Capacity(Target(80.0), BUDGETS, CAPS, 0.0, tau_s=100.0, z=0.0, slope=1.0)
+    _, levels = arrive(rule, 11.5, 600.0)
+    tail = levels[-200:]
+    assert rule.level == 1 and set(tail) == {1, 2} and tail.count(2) == pytest.approx(100, abs=3)
+    _, levels = arrive(Capacity(Target(80.0), BUDGETS, CAPS, 0.0, tau_s=5.0, z=0.0, slope=1.0), 9.0, 30.0)
+    assert set(levels) == {0}
+    top = Capacity(Target(80.0), BUDGETS, CAPS, 0.0, tau_s=5.0, z=0.0, slope=1.0)
+    _, levels = arrive(top, 30.0, 20.0)
+    assert top.level == 4 and set(levels[-100:]) == {4}
+    # slope 3: 10.5 req/s is level 0.5 on the table, 1.5 after it
+    steep = Capacity(Target(80.0), BUDGETS, CAPS, 0.0, tau_s=100.0, z=0.0, slope=3.0)
+    _, levels = arrive(steep, 10.5, 600.0)
+    assert steep.level == 1 and levels[-200:].count(2) == pytest.approx(100, abs=5)
+    assert steep.read(10.5) == pytest.approx(0.5) and steep.read(13.25) == pytest.approx(3.25)
+
+
+def test_the_rate_is_discounted_by_its_standard_errors():
+    """n weighted arrivals: the rate is read as rate / (1 + z / sqrt(n))."""
+    rule = Capacity(Target(80.0), BUDGETS, CAPS, 0.0, tau_s=1e6, z=1.0)
+    arrive(rule, 12.0, 100 / 12.0)
+    assert rule.count == pytest.approx(100.0, rel=1e-3) and rule.need() == pytest.approx(rule.rate() / 1.1, rel=1e-3)
+
+
+def test_a_level_that_holds_no_more_than_a_lower_one_is_never_taken():
+    """A skipper that slows the step (capacities not above level 0's): level 0 under any load."""
+    rule = Capacity(Target(80.0), BUDGETS, (10.0, 10.0, 9.0, 9.5, 9.0), 0.0, tau_s=2.0, z=0.0)
+    _, levels = arrive(rule, 30.0, 20.0)
+    assert set(levels) == {0} and rule.used == [0]
+    stepped = Capacity(Target(80.0), BUDGETS, (10.0, 10.0, 9.0, 12.0, 9.0), 0.0, tau_s=2.0, z=0.0, mix=False)
+    arrive(stepped, 30.0, 20.0)
+    assert stepped.used == [0, 3] and stepped.level == 3
+
+
+def test_the_stepped_rule_goes_up_at_once_and_down_past_a_band_after_a_hold():
+    """tau 5 s: the rate reads 0.1 req/s high (arrivals counted at the ticks)."""
+    rule = Capacity(Target(80.0), BUDGETS, CAPS, 0.0, tau_s=5.0, z=0.0, mix=False, band=0.05, hold_s=10.0)
+    now, _ = arrive(rule, 11.3, 20.0)
+    assert rule.level == 2  # the lowest level holding 11.4: level 2 (12)
+    now, _ = arrive(rule, 10.8, 20.0, now)
+    assert rule.level == 2  # 10.9 fits level 1 (11), but 1.05 x 10.9 = 11.45 does not: within the band
+    now, _ = arrive(rule, 10.2, 10.0, now)
+    assert rule.level == 1  # 1.05 x 10.3 = 10.8 fits level 1
+    down = rule.since
+    now, levels = arrive(rule, 30.0, 3.0, now)
+    assert rule.level == 4 and levels[-1] == 4 and rule.since - down < 10.0  # up at once, hold or not
+    up = rule.since
+    _, levels = arrive(rule, 9.0, 30.0, now)
+    first = next(i for i, j in enumerate(levels) if j < 4)
+    assert set(levels[:first]) == {4} and up + 10.0 <= now + (first + 1) / 9.0 < up + 12.0  # down after the hold
+    assert levels[-1] == 0
+
+
+def test_the_rate_keyed_rule_in_the_simulator_rises_under_overload_and_stays_at_0_under_light_load():
+    """Flat steps of 100 ms at level 0: capacities from 2 to 6 req/s; 30 req/s takes it to the top, 1 req/s
+    never leaves level 0 (the same requests pinned at level 0 give the same times)."""
+    caps = (2.0, 3.0, 4.0, 5.0, 6.0)
+    rule = Capacity(Target(80.0), BUDGETS, caps, 0.0, tau_s=2.0)
+    er = simulate_elastic(overload(), LEVELS, rule, ServerConfig())
+    assert er.budgets[:3].tolist() == [0.0] * 3 and er.budgets[-100:].tolist() == [4.0] * 100
+    light = Workload("fixed:1", "fixed:10", ignore_eos=True).requests(poisson(1.0, n=60, seed=2), seed=2)
+    er = simulate_elastic(light, LEVELS, Capacity(Target(80.0), BUDGETS, caps, 0.0, tau_s=2.0), ServerConfig())
+    pinned = simulate_elastic(light, LEVELS, Pinned(BUDGETS, 0), ServerConfig())
+    assert set(er.budgets.tolist()) == {0.0} and np.array_equal(er.result.e2e, pinned.result.e2e)
+    with pytest.raises(ValueError, match="capacities"):
+        Capacity(Target(80.0), BUDGETS, caps[:4], 0.0)

@@ -16,7 +16,8 @@ upstream's):
    requests for every system on a seed), the requests sent in the first `warmup` s not counted (every run
    starts from an idle server). Systems: upstream; the skipper alone ("fixed"); today's rule (the server's
    vskipper.elastic.Controller, unchanged; its prior the step model at the workload's mean context); the
-   model-predictive candidate (vskipper.sim.elastic.Predictive, margins below).
+   model-predictive candidate (vskipper.sim.elastic.Predictive, margins below); the rate-keyed candidate
+   (vskipper.sim.elastic.Capacity), which reads each level's SLO capacity: R's bisection with the level pinned.
 4. Per load and system: p90 TPOT and the share of routed-layer work skipped (prompt and generated tokens),
    the mean over seeds with a 95% percentile-bootstrap interval of that mean. Criteria: (a) p90 TPOT within
    the target at every load up to 1.10 x R; (b) at most 5% of routed-layer work skipped at every load where
@@ -68,7 +69,13 @@ RULES = {"upstream": "upstream SGLang", "fixed": "the skipper alone (level top t
                             "steps at the level)",
          "predictive-smooth": "model-predictive (margin 1.0, hysteresis 0.9, the rows averaged over a stream's life)",
          "predictive-adapt": "model-predictive (margin 1.0, hysteresis 0.9, the band scaled to hold the streams' p90 "
-                             "at 0.95 x target; down as predictive-hold)"}
+                             "at 0.95 x target; down as predictive-hold)",
+         "capacity-step": "rate-keyed, stepped (Capacity: the lowest level whose SLO capacity is >= 0.97 x the arrival "
+                          "rate, EWMA 120 s; down by a band of 5%, after 10 s at the level)",
+         "capacity": "rate-keyed (Capacity: the arrival rate, EWMA 120 s, less 0.6 standard errors, read off the "
+                     "levels' SLO capacities, times 3, admitted as a mix of the two levels around it)"}
+CAPACITY = {"tau_s": 120.0, "z": 0.6, "slope": 3.0}  # the rule "capacity"
+STEPPED = {"tau_s": 120.0, "z": 0.0, "mix": False, "margin": 0.97, "band": 0.05, "hold_s": 10.0}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -121,11 +128,15 @@ class Model:
         arr = [0.0] * self.saturate if rate == float("inf") else poisson(rate, duration=self.duration, seed=seed)
         return self.workload.requests(arr, seed)
 
-    def rule(self, name: str, tpot_ms: float):
+    def rule(self, name: str, tpot_ms: float, capacity=None):
         from vskipper.elastic import Controller, Target
-        from vskipper.sim.elastic import Predictive
+        from vskipper.sim.elastic import Capacity, Pinned, Predictive
 
         t = Target(tpot_ms)
+        if name.startswith("level-"):
+            return Pinned(self.budgets, int(name[6:]))
+        if name.startswith("capacity"):
+            return Capacity(t, self.budgets, capacity, 0.0, **(CAPACITY if name == "capacity" else STEPPED))
         if name == "today":
             return Controller(t, self.budgets, self.levels.prior(self.context), 0.0)
         if name.startswith("predictive"):
@@ -135,7 +146,7 @@ class Model:
                               hold=name.endswith(("hold", "adapt")))
         raise ValueError(name)
 
-    def run(self, name: str, rate: float, seed: int, tpot_ms: float | None = None) -> dict:
+    def run(self, name: str, rate: float, seed: int, tpot_ms: float | None = None, capacity=None) -> dict:
         """One run: p90 TPOT (ms) and skipped share of the counted requests, output tok/s, time per level."""
         from vskipper.sim import simulate
         from vskipper.sim.elastic import simulate_elastic, stream_tpot_p90
@@ -152,7 +163,7 @@ class Model:
             skip = 0.0 if name == "upstream" else ((1 - f["decode"]) * dec + (1 - f["extend"]) * pre) / (dec + pre)
             levels = None
         else:
-            rule = self.rule(name, tpot_ms)
+            rule = self.rule(name, tpot_ms, capacity)
             er = simulate_elastic(reqs, self.levels, rule, self.server, record_batches=False)
             res, skip = er.result, er.skipped(since)["all"]
             end = float((res.arrival + res.e2e).max())
@@ -189,21 +200,36 @@ def mean_ci(xs: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float
     return statistics.fmean(xs), boots[int(0.025 * n)], boots[int(0.975 * n) - 1]
 
 
-def upstream_p90(model: Model, rate: float, seeds: int) -> float:
-    return statistics.fmean(model.run("upstream", rate, s)["p90"] for s in range(seeds))
+def upstream_p90(model: Model, rate: float, seeds: int, name: str = "upstream") -> float:
+    return statistics.fmean(model.run(name, rate, s)["p90"] for s in range(seeds))
+
+
+def capacity(model: Model, name: str, target: float, lo: float, hi: float, seeds: int, smoke: bool) -> float:
+    """The highest rate in [lo, hi] at which `name` meets the target (p90 TPOT, the mean over the seeds), by
+    bisection to 0.5% (lo where it does not meet it even there)."""
+    if upstream_p90(model, lo, seeds, name) > target:
+        return lo
+    while hi - lo > (0.05 if smoke else 0.005) * lo:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upstream_p90(model, mid, seeds, name) <= target else (lo, mid)
+    return lo
 
 
 def calibrate(model: Model, seeds: int, smoke: bool) -> dict:
     """Saturated rate, target and R for a step model."""
     sat = statistics.median(model.run("upstream", float("inf"), s)["request_tps"] for s in range(min(3, seeds)))
     target = MARGIN * upstream_p90(model, KNEE * sat, seeds)
-    lo, hi = KNEE * sat, 1.5 * sat
-    if upstream_p90(model, hi, seeds) <= target:
+    if upstream_p90(model, 1.5 * sat, seeds) <= target:
         raise RuntimeError(f"{model.key}: upstream meets the target {target:.1f} ms even at 1.5 x its saturated rate")
-    while hi - lo > (0.05 if smoke else 0.005) * lo:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if upstream_p90(model, mid, seeds) <= target else (lo, mid)
-    return {"saturated_rps": sat, "target_ms": target, "R": lo}
+    return {"saturated_rps": sat, "target_ms": target, "R": capacity(model, "upstream", target, KNEE * sat, 1.5 * sat,
+                                                                     seeds, smoke)}
+
+
+def capacities(model: Model, cal: dict, seeds: int, smoke: bool) -> list[float]:
+    """Each level's SLO capacity (req/s): R's bisection with the level pinned (level 0 is upstream: R)."""
+    sat = cal["saturated_rps"]
+    return [cal["R"]] + [capacity(model, f"level-{j}", cal["target_ms"], KNEE * sat, 1.5 * sat, seeds, smoke)
+                         for j in range(1, len(model.budgets))]
 
 
 def judge(rows: dict, loads: list[float], target: float) -> dict:
@@ -231,6 +257,13 @@ def word(ok: bool, sure: bool) -> str:
 
 
 def ramp(model: Model, cal: dict, args) -> tuple[dict, str]:
+    caps = None
+    if any(n.startswith("capacity") for n in args.rules):
+        t0 = time.perf_counter()
+        caps = capacities(model, cal, args.seeds, args.smoke)
+        shown = " ".join(f"{c / cal['R']:.3f}" for c in caps)
+        log(f"{model.key}: levels' SLO capacities {shown} x R "
+            f"({time.perf_counter() - t0:.0f} s)")
     rows: dict = {n: {} for n in args.rules}
     raw: dict = {n: {} for n in args.rules}
     table = []
@@ -238,7 +271,7 @@ def ramp(model: Model, cal: dict, args) -> tuple[dict, str]:
         rate = load * cal["R"]
         t0 = time.perf_counter()
         for n in args.rules:
-            runs = [model.run(n, rate, s, cal["target_ms"]) for s in range(args.seeds)]
+            runs = [model.run(n, rate, s, cal["target_ms"], caps) for s in range(args.seeds)]
             raw[n][load] = runs
             cell = {"p90": mean_ci([r["p90"] for r in runs]), "skip": mean_ci([r["skip"] for r in runs]),
                     "output_tps": statistics.fmean(r["output_tps"] for r in runs)}
@@ -266,13 +299,16 @@ def ramp(model: Model, cal: dict, args) -> tuple[dict, str]:
             f"counted; {args.seeds} seeds a load.\n\n"
             f"Upstream saturates at {cal['saturated_rps']:.2f} req/s; target p90 TPOT **{cal['target_ms']:.1f} ms** "
             f"({MARGIN:g} x upstream's at {KNEE:g} x that rate); **R = {cal['R']:.3f} req/s**, the highest rate at "
-            f"which upstream's p90 TPOT (mean over the seeds) meets it.\n\n"
+            f"which upstream's p90 TPOT (mean over the seeds) meets it."
+            + (" Levels' SLO capacities (each level pinned, the same bisection; what the rate-keyed rules read): "
+               + ", ".join(f"{j}: {c / cal['R']:.3f}" for j, c in enumerate(caps)) + " x R." if caps else "")
+            + "\n\n"
             + R.table(["rule", "what", f"(a) p90 TPOT within target to {A_UP_TO:g}x R",
                        f"(b) <= {B_SKIP:.0%} skipped where upstream meets it", "target held to (mean)"], vt)
             + "\n\nPer load (the mean over the seeds [95% bootstrap interval of the mean]; * over the target):\n\n"
             + R.table(["offered load (x R)", "rule", "p90 TPOT ms", "routed-layer work skipped", "output tok/s",
                        "time per level"], table))
-    return {"calibration": cal, "cells": rows, "verdicts": verdicts, "runs": raw}, text
+    return {"calibration": cal, "capacity": caps, "cells": rows, "verdicts": verdicts, "runs": raw}, text
 
 
 HEAD = ("**Simulated, not measured.** SGLang 0.5.23's scheduler simulated (vskipper/sim) over each device's "
@@ -281,7 +317,9 @@ HEAD = ("**Simulated, not measured.** SGLang 0.5.23's scheduler simulated (vskip
         "vskipper/sim/elastic.py). Today's rule is the server's own controller code, run unchanged; the "
         "model-predictive rules are candidates that read the step model the simulator prices with (a best "
         "case for them: the server's would be its step tables or calibration, corrected by the same measured "
-        "ratio). Criteria of the issue: (a) p90 TPOT within the target up to 1.10 x R, R the load at which "
+        "ratio); the rate-keyed rules read each level's SLO capacity, found here from the same step model and "
+        "workload (a server would need them from a plan of its own workload). "
+        "Criteria of the issue: (a) p90 TPOT within the target up to 1.10 x R, R the load at which "
         "upstream's p90 TPOT stops meeting it; (b) at most 5% of routed-layer work skipped where upstream "
         "meets the target. 'met' reads the mean over the seeds, '(sure)' where the 95% interval's far end "
         "meets it too.\n\n")

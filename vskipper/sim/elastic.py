@@ -19,8 +19,9 @@ StepModel.scaled is. A batch's step, decode or prefill, is moved by its rows' me
 weighted by its tokens); the host work of the two systems' servers alike (on a serial host it is folded into
 the step). At budget 0 everywhere a step is upstream's exactly.
 
-Predictive is a candidate rule with the controller's interface (host arithmetic only), judged beside the
-server's own by benchmarks/sim/elastic_rules.py; it is not what the server runs.
+Predictive (model-predictive) and Capacity (keyed on the arrival rate against each level's SLO capacity) are
+candidate rules with the controller's interface (host arithmetic only), judged beside the server's own by
+benchmarks/sim/elastic_rules.py; neither is what the server runs. Pinned holds one level (a level's capacity).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from vskipper.sim.server import ServerConfig
 from vskipper.sim.steps import Host, StepModel, StepTables
 from vskipper.sim.workload import Request
 
-__all__ = ["ElasticResult", "LevelSteps", "Predictive", "simulate_elastic"]
+__all__ = ["Capacity", "ElasticResult", "LevelSteps", "Pinned", "Predictive", "simulate_elastic"]
 
 
 @dataclass
@@ -352,6 +353,142 @@ class Predictive:
         out = list(self.seconds)
         out[self.level] += now - self.since
         return out
+
+
+class Capacity:
+    """A candidate rule keyed on the arrival rate. `capacity[j]`: level j's SLO capacity in requests/s, the
+    highest Poisson rate at which that level alone meets the target (found offline from the step model, by the
+    bisection that finds upstream's R). Once per period:
+        rate = the arrivals counted at each tick (the requests admitted since the last plus the queue's growth),
+               averaged with weights decaying with time constant `tau_s` (their weighted count n over the
+               weighted seconds, so the first seconds are not read as a low rate)
+        need = margin x rate / (1 + z / sqrt(n)): the rate less about z of its standard errors (a rate counted
+               over n arrivals is known to 1 / sqrt(n) of itself), so a count that is high by chance moves less
+    `mix` (the rule judged): x = min(top, slope x x0), x0 the level of `need` read off the capacity table
+        (0 at or below capacity[0], linear between two levels' capacities, the top above the last), and each
+        request admitted at floor(x) or the level above, a share x - floor(x) of them above (error diffusion):
+        the fractional levels a ladder of five lacks; slope > 1 because a level set by a load above R must do
+        more than that load's stationary level (the mean over seeds of p90 TPOT is convex in the realized rate).
+    Else (stepped, the first candidate): the lowest level whose capacity is at least `need` (none: the level
+        of the highest capacity); up at once; down only to a level whose capacity is at least (1 + band) x
+        need, and only `hold_s` after the level last changed.
+    A level whose capacity is not above every lower level's is never chosen (a skipper that slows the step)."""
+
+    def __init__(self, target: Target, budgets: tuple[int, ...], capacity, now: float, tau_s: float = 120.0,
+                 z: float = 0.6, slope: float = 3.0, mix: bool = True, margin: float = 1.0, band: float = 0.05,
+                 hold_s: float = 10.0) -> None:
+        capacity = tuple(float(c) for c in capacity)
+        if len(capacity) != len(budgets):
+            raise ValueError(f"Capacity: {len(capacity)} capacities for {len(budgets)} levels")
+        if not (tau_s > 0 and z >= 0 and slope > 0 and margin > 0 and band >= 0 and hold_s >= 0):
+            raise ValueError(f"Capacity: tau_s={tau_s!r}, slope={slope!r} and margin={margin!r} must be > 0, "
+                             f"z={z!r}, band={band!r} and hold_s={hold_s!r} >= 0")
+        self.target, self.budgets, self.capacity = target, tuple(budgets), capacity
+        self.tau_s, self.z, self.slope, self.mix = tau_s, z, slope, mix
+        self.margin, self.band, self.hold_s = margin, band, hold_s
+        self.used = [0]  # the levels that can be chosen: each above every lower level's capacity
+        for j in range(1, len(capacity)):
+            if capacity[j] > capacity[self.used[-1]]:
+                self.used.append(j)
+        self.level, self.hi, self.frac, self.carry, self.reason = 0, 0, 0.0, 0.0, "starting"  # mix: hi, frac
+        self.admitted = self.queued = 0  # admitted since the last tick; the queue at the last tick
+        self.count = self.span = 0.0  # weighted arrivals n, weighted seconds
+        self.last = self.last_tick = self.since = now
+        self.seconds = [0.0] * len(self.budgets)
+
+    def admit(self) -> int:
+        self.admitted += 1
+        self.carry += self.frac if self.mix else 0.0
+        if self.carry >= 1.0:
+            self.carry -= 1.0
+            return self.hi
+        return self.level
+
+    def decode_step(self, now, budgets, prefill=False, context=0) -> None:
+        pass
+
+    def prefill(self) -> None:
+        pass
+
+    def first_token(self, seconds) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+    def rate(self) -> float:
+        return self.count / self.span if self.span > 0 else 0.0
+
+    def need(self) -> float:
+        return self.margin * self.rate() / (1.0 + self.z / math.sqrt(max(1.0, self.count)))
+
+    def read(self, need: float) -> float:
+        """x0: the level of `need` requests/s on the capacity table (linear between the usable levels)."""
+        cap, used = self.capacity, self.used
+        if need <= cap[0]:
+            return 0.0
+        for a, b in zip(used, used[1:]):
+            if need <= cap[b]:
+                return a + (b - a) * (need - cap[a]) / (cap[b] - cap[a])
+        return float(used[-1])
+
+    def lowest(self, need: float) -> int:
+        """The lowest usable level whose capacity is at least `need` (none: the top usable one)."""
+        return next((j for j in self.used if self.capacity[j] >= need), self.used[-1])
+
+    def _set(self, level: int, now: float) -> bool:
+        if level == self.level:
+            return False
+        self.seconds[self.level] += now - self.since
+        self.level, self.since = level, now
+        return True
+
+    def tick(self, now: float, running, waiting: int) -> bool:
+        arrived = self.admitted + waiting - self.queued
+        self.admitted, self.queued = 0, waiting
+        decay = math.exp(-(now - self.last) / self.tau_s)
+        self.count = self.count * decay + arrived
+        self.span = self.span * decay + self.tau_s * (1.0 - decay)
+        self.last = now
+        if now - self.last_tick < self.target.period_s:
+            return False
+        self.last_tick = now
+        need = self.need()
+        if self.mix:
+            x = min(float(self.used[-1]), self.slope * self.read(need))
+            lo = max(j for j in self.used if j <= x)  # x between two usable levels: a share frac at the upper
+            self.hi = next((j for j in self.used if j > lo), lo)
+            self.frac = (x - lo) / (self.hi - lo) if self.hi > lo else 0.0
+            self.reason = f"{self.rate():.2f} req/s (less {self.z:g} s.e.: {need:.2f}): level {x:.2f}"
+            return self._set(lo, now)
+        up = self.lowest(need)
+        if up > self.level:
+            self.reason = f"{need:.2f} req/s over level {self.level}'s capacity: up"
+            return self._set(up, now)
+        down = self.lowest((1.0 + self.band) * need)
+        if down < self.level and now - self.since >= self.hold_s:
+            self.reason = f"{need:.2f} req/s x {1 + self.band:g} within level {down}'s capacity: down"
+            return self._set(down, now)
+        return False
+
+    def time_per_level(self, now: float) -> list[float]:
+        out = list(self.seconds)
+        out[self.level] += now - self.since
+        return out
+
+
+class Pinned(Capacity):
+    """One level throughout (what a level's SLO capacity is measured with)."""
+
+    def __init__(self, budgets: tuple[int, ...], level: int) -> None:
+        super().__init__(Target(1.0), budgets, [0.0] * len(budgets), 0.0)
+        self.level = level
+
+    def admit(self) -> int:
+        return self.level
+
+    def tick(self, now, running, waiting) -> bool:
+        return False
 
 
 def stream_tpot_p90(res: SimResult, since: float = 0.0) -> float:
